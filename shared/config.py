@@ -1,0 +1,91 @@
+"""One validated settings object for every process, read from LLM_* variables and `.env`."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from typing_extensions import Annotated
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+
+def _split_csv(value: object) -> object:
+    if isinstance(value, str):
+        return [item.strip() for item in value.split(",") if item.strip()]
+    return value
+
+
+class Settings(BaseSettings):
+    """Everything configurable, with the seed's names where they apply (`LLM_` prefix)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="LLM_", env_file=".env", extra="ignore", protected_namespaces=()
+    )
+
+    # Redis and queue
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = "ladle"
+
+    # Model and engine (worker side)
+    model_name: str = Field(
+        DEFAULT_MODEL,
+        description="default model name, a local HF directory, or a .gguf file",
+    )
+    served_model_name: str | None = None
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_batch_size: int = Field(64, ge=1, description="cap on running sequences")
+    max_num_batched_tokens: int = Field(1024, ge=16, description="token budget per step")
+    kv_cache_size_mb: int = Field(512, ge=1)
+    kv_cache_gpu_fraction: float | None = Field(None, gt=0, le=1)
+    block_size: int = Field(16, ge=1)
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = Field(None, ge=16)
+    num_threads: int | None = Field(None, ge=1)
+    cache_dir: str | None = None
+
+    # Worker behaviour
+    worker_id: str | None = None
+    heartbeat_interval_s: float = 1.0
+    worker_ttl_s: float = 5.0
+    shutdown_timeout_s: float = 30.0
+    job_timeout_s: float = 600.0
+    job_max_tries: int = Field(3, ge=1)
+    worker_max_queued: int = Field(4, ge=0, description="jobs taken beyond what can run now")
+
+    # API behaviour
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    max_queue_depth: int = Field(1000, ge=1)
+    max_request_body_bytes: int = Field(1_000_000, ge=1024)
+    max_n: int = Field(8, ge=1)
+    max_logit_bias: int = Field(300, ge=0)
+    per_key_max_concurrent_jobs: int = Field(256, ge=1)
+    request_timeout_s: float = Field(600.0, gt=0)
+    first_event_timeout_s: float = Field(60.0, gt=0)
+    job_ttl_s: int = Field(3600, ge=1, description="how long finished jobs and streams stay")
+    stream_maxlen: int = Field(10_000, ge=100)
+    log_level: str = "INFO"
+
+    @field_validator("api_keys", "cors_origins", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: object) -> object:
+        return _split_csv(value)
+
+    @property
+    def model_id(self) -> str:
+        """The name clients use in the `model` field."""
+        if self.served_model_name:
+            return self.served_model_name
+        name = self.model_name.rstrip("/").rsplit("/", 1)[-1]
+        return name.removesuffix(".gguf")
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return Settings()

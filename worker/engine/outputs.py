@@ -1,0 +1,61 @@
+"""Plain data passed between scheduler, runner and engine each step (no tensors)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from worker.engine.request import Request
+
+
+@dataclass
+class ScheduledChunk:
+    """`num_tokens` tokens of one request, starting at position `start_position`.
+
+    `block_ids` is the request's whole block table after allocation. `is_sampling` is true
+    when the chunk reaches the end of the request's known tokens, so a token is sampled.
+    """
+
+    request: Request
+    start_position: int
+    num_tokens: int
+    block_ids: list[int]
+    is_sampling: bool
+
+
+@dataclass
+class SchedulerOutput:
+    """What one engine step computes. Decode chunks (num_tokens == 1) come first."""
+
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted_request_ids: list[str] = field(default_factory=list)
+    finished_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(chunk.num_tokens for chunk in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass
+class TopToken:
+    token_id: int
+    logprob: float
+
+
+@dataclass
+class SampledToken:
+    """The token chosen for one request, with its logprob and top alternatives if asked."""
+
+    token_id: int
+    logprob: float | None = None
+    top: list[TopToken] | None = None
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Sampled tokens keyed by request id, one per sampling chunk."""
+
+    sampled: dict[str, SampledToken] = field(default_factory=dict)
