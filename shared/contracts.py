@@ -183,6 +183,23 @@ class WorkerRecord(_Wire):
     heartbeat_at: float = Field(default_factory=time.time)
 
 
+class ChoiceResult(BaseModel):
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    logprobs: list[TokenLogprob] | None = None
+
+
+class JobResult(BaseModel):
+    """The finished job's output; the API turns it into the OpenAI response object."""
+
+    prompt_token_ids: list[int] | None = None
+    choices: list[ChoiceResult]
+    usage: Usage
+    timings: Timings = Field(default_factory=Timings)
+
+
 class JobRecord(_Wire):
     """The job's state as `GET /v1/jobs/{id}` reads it (stored as JSON under the job key)."""
 
@@ -197,7 +214,5 @@ class JobRecord(_Wire):
     created_at: float = Field(default_factory=time.time)
     started_at: float | None = None
     finished_at: float | None = None
-    response: dict[str, Any] | None = None
-    error: dict[str, Any] | None = None
-    usage: Usage | None = None
-    timings: Timings | None = None
+    result: JobResult | None = None
+    error: ErrorEvent | None = None
