@@ -1,0 +1,229 @@
+"""Batched sampling: logit processors, filters, seeded draws and logprobs, one call per step.
+
+Per-request parameters become batch tensors once per call. Order, as in vLLM: logit bias and
+min_tokens masks, penalties, then greedy argmax for temperature-0 rows; for the others
+temperature, min_p, top_k, top_p and an exponential race (argmax of probs / Exp(1) noise),
+done in log space as argmax(logits - log(noise)). A seeded request draws its noise from its
+own generator, so its tokens do not depend on the rest of the batch. Logprobs come from the
+raw logits, before any processing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from worker.engine.outputs import SampledToken, TopToken
+from worker.engine.request import Request
+from worker.engine.sampling_params import SamplingParams
+
+_NEG_INF = float("-inf")
+_MIN_NOISE = 1e-20
+
+
+class Sampler:
+    """Samples one token per row of a [S, V] logits tensor; keeps per-request generators."""
+
+    def __init__(self) -> None:
+        self._generators: dict[str, torch.Generator] = {}
+
+    def release(self, request_ids: Iterable[str]) -> None:
+        """Drop per-request state (seeded generators) of finished or aborted requests."""
+        for request_id in request_ids:
+            self._generators.pop(request_id, None)
+
+    def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[SampledToken]:
+        """Pick a token for each request; row i of `logits` belongs to `requests[i]`."""
+        if len(requests) != logits.shape[0]:
+            raise ValueError(f"{logits.shape[0]} logits rows for {len(requests)} requests")
+        if _is_plain_greedy(requests):
+            return [SampledToken(token_id) for token_id in logits.argmax(dim=-1).tolist()]
+        raw_logits = logits.float()
+        processed = raw_logits.clone()
+        _apply_logit_bias(processed, requests)
+        _apply_min_tokens(processed, requests)
+        _apply_penalties(processed, requests)
+        token_ids = self._choose(processed, requests)
+        return _with_logprobs(raw_logits, token_ids, requests)
+
+    def _choose(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        token_ids = logits.argmax(dim=-1)
+        random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
+        if random_rows:
+            rows = torch.tensor(random_rows, device=logits.device)
+            subset = [requests[i] for i in random_rows]
+            filtered = _filter(logits.index_select(0, rows), subset)
+            noise = self._noise(filtered, subset)
+            token_ids[rows] = (filtered - noise.log()).argmax(dim=-1)
+        return token_ids
+
+    def _noise(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        """Exp(1) noise per row: seeded rows from their own generator, others shared."""
+        noise = torch.empty_like(logits).exponential_()
+        for row, request in enumerate(requests):
+            if request.sampling_params.seed is not None:
+                noise[row].exponential_(generator=self._generator(request, logits.device))
+        return noise.clamp_(min=_MIN_NOISE)
+
+    def _generator(self, request: Request, device: torch.device) -> torch.Generator:
+        generator = self._generators.get(request.request_id)
+        if generator is None:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(request.sampling_params.seed)
+            self._generators[request.request_id] = generator
+        return generator
+
+
+def _is_plain_greedy(requests: Sequence[Request]) -> bool:
+    """True when argmax of the raw logits is the whole answer for every row."""
+    for request in requests:
+        params = request.sampling_params
+        if (
+            not params.is_greedy
+            or params.logit_bias
+            or params.logprobs is not None
+            or _needs_min_tokens_mask(request)
+            or _has_penalties(request)
+        ):
+            return False
+    return True
+
+
+def _has_penalties(request: Request) -> bool:
+    params = request.sampling_params
+    return (
+        params.repetition_penalty != 1.0
+        or params.presence_penalty != 0.0
+        or params.frequency_penalty != 0.0
+    )
+
+
+def _needs_min_tokens_mask(request: Request) -> bool:
+    return len(request.output_token_ids) < request.sampling_params.min_tokens
+
+
+def _apply_logit_bias(logits: torch.Tensor, requests: Sequence[Request]) -> None:
+    rows, cols, values = [], [], []
+    vocab_size = logits.shape[1]
+    for row, request in enumerate(requests):
+        for token_id, bias in request.sampling_params.logit_bias.items():
+            if 0 <= int(token_id) < vocab_size:
+                rows.append(row)
+                cols.append(int(token_id))
+                values.append(float(bias))
+    if rows:
+        index = (_long(rows, logits), _long(cols, logits))
+        logits.index_put_(index, torch.tensor(values, device=logits.device), accumulate=True)
+
+
+def _apply_min_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> None:
+    """Ban eos and stop token ids until a request has produced min_tokens tokens."""
+    rows, cols = [], []
+    vocab_size = logits.shape[1]
+    for row, request in enumerate(requests):
+        if not _needs_min_tokens_mask(request):
+            continue
+        params = request.sampling_params
+        banned = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            banned |= set(request.eos_token_ids)
+        for token_id in banned:
+            if 0 <= token_id < vocab_size:
+                rows.append(row)
+                cols.append(token_id)
+    if rows:
+        logits[_long(rows, logits), _long(cols, logits)] = _NEG_INF
+
+
+def _apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> None:
+    """Repetition (HF, prompt + output) then presence/frequency (OpenAI, output only)."""
+    params = [r.sampling_params for r in requests]
+    rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+    if rep_rows:
+        seen = _token_counts(logits, [requests[i].all_token_ids for i in rep_rows]) > 0
+        penalty = _column([params[i].repetition_penalty for i in rep_rows], logits)
+        rows = _long(rep_rows, logits)
+        subset = logits[rows]
+        scaled = torch.where(subset > 0, subset / penalty, subset * penalty)
+        logits[rows] = torch.where(seen, scaled, subset)
+    pf_rows = [
+        i for i, p in enumerate(params) if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+    ]
+    if pf_rows:
+        counts = _token_counts(logits, [requests[i].output_token_ids for i in pf_rows])
+        presence = _column([params[i].presence_penalty for i in pf_rows], logits)
+        frequency = _column([params[i].frequency_penalty for i in pf_rows], logits)
+        rows = _long(pf_rows, logits)
+        logits[rows] -= presence * (counts > 0) + frequency * counts
+
+
+def _token_counts(logits: torch.Tensor, token_lists: list[list[int]]) -> torch.Tensor:
+    """[len(token_lists), V] float counts of each token id in each list."""
+    vocab_size = logits.shape[1]
+    width = max((len(tokens) for tokens in token_lists), default=0)
+    padded = torch.full((len(token_lists), max(width, 1)), vocab_size, dtype=torch.long)
+    for row, tokens in enumerate(token_lists):
+        if tokens:
+            padded[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+    padded = padded.clamp_(max=vocab_size).to(logits.device)
+    counts = torch.zeros(len(token_lists), vocab_size + 1, device=logits.device)
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=counts.dtype))
+    return counts[:, :vocab_size]
+
+
+def _filter(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    """Temperature, then min_p, top_k and top_p (on the top-k renormalised distribution)."""
+    params = [r.sampling_params for r in requests]
+    logits = logits / _column([p.temperature for p in params], logits)
+    if any(p.min_p > 0.0 for p in params):
+        probs = logits.softmax(dim=-1)
+        threshold = _column([p.min_p for p in params], logits) * probs.amax(dim=-1, keepdim=True)
+        logits = logits.masked_fill(probs < threshold, _NEG_INF)
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        logits = _top_k_top_p(logits, params)
+    return logits
+
+
+def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    vocab_size = logits.shape[1]
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
+    top_k = _long([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params], logits)
+    positions = torch.arange(vocab_size, device=logits.device).unsqueeze(0)
+    sorted_logits = sorted_logits.masked_fill(positions >= top_k.unsqueeze(1), _NEG_INF)
+    top_p = _column([p.top_p for p in params], logits)
+    if bool((top_p < 1.0).any()):
+        probs = sorted_logits.softmax(dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # probability mass strictly above each token
+        drop = (before >= top_p) & (positions > 0)
+        sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
+    return torch.full_like(logits, _NEG_INF).scatter(1, sorted_ids, sorted_logits)
+
+
+def _with_logprobs(
+    raw_logits: torch.Tensor, token_ids: torch.Tensor, requests: Sequence[Request]
+) -> list[SampledToken]:
+    ids = token_ids.tolist()
+    wanted = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
+    if not wanted:
+        return [SampledToken(token_id) for token_id in ids]
+    rows = _long(wanted, raw_logits)
+    logprobs = raw_logits.index_select(0, rows).log_softmax(dim=-1)
+    chosen = logprobs.gather(1, token_ids[rows].unsqueeze(1)).squeeze(1).tolist()
+    num_top = max(requests[i].sampling_params.logprobs for i in wanted)
+    top_values, top_ids = logprobs.topk(num_top, dim=-1)
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    results = [SampledToken(token_id) for token_id in ids]
+    for j, row in enumerate(wanted):
+        num_row_top = requests[row].sampling_params.logprobs
+        top = [TopToken(top_ids[j][t], top_values[j][t]) for t in range(num_row_top)]
+        results[row] = SampledToken(ids[row], chosen[j], top)
+    return results
+
+
+def _long(values: list[int], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long, device=like.device)
+
+
+def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(1)
