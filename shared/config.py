@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
-from typing_extensions import Annotated
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
@@ -55,6 +54,7 @@ class Settings(BaseSettings):
     job_timeout_s: float = 600.0
     job_max_tries: int = Field(3, ge=1)
     worker_max_queued: int = Field(4, ge=0, description="jobs taken beyond what can run now")
+    worker_metrics_port: int = Field(9101, ge=0, description="worker /metrics port; 0: off")
 
     # API behaviour
     host: str = "127.0.0.1"

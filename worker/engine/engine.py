@@ -1,0 +1,268 @@
+"""The engine: schedule -> execute -> update, one step at a time, on one thread.
+
+Not thread-safe: one thread owns it (see `worker.engine.engine_thread`). `prepare()` only
+reads the tokenizer and configuration and may run elsewhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.tokenizer import Tokenizer, load_tokenizer
+from worker.engine.block_manager import BlockManager
+from worker.engine.config import EngineConfig
+from worker.engine.detokenizer import IncrementalDetokenizer
+from worker.engine.errors import InvalidRequestError, context_length_error
+from worker.engine.executor import Executor, build_executor
+from worker.engine.inputs import tokenize_prompt
+from worker.engine.outputs import SampledToken
+from worker.engine.request import Request, RequestStatus
+from worker.engine.sampling_params import SamplingParams
+from worker.engine.scheduler import Scheduler, SchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PreparedRequest:
+    """A validated request: token ids and final parameters, ready for `add_request`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    priority: int = 0
+
+
+@dataclass
+class SequenceOutput:
+    """One step's news for one choice of one request."""
+
+    request_id: str
+    index: int
+    new_text: str
+    new_token_ids: list[int]
+    new_logprobs: list[SampledToken] | None
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_blocks_used: int
+    num_blocks_total: int
+    block_size: int
+    kv_bytes_per_block: int
+    num_preemptions_total: int
+    num_prefix_query_tokens: int
+    num_prefix_hit_tokens: int
+    last_batch_size: int = 0
+    last_num_batched_tokens: int = 0
+
+
+@dataclass
+class _Sequence:
+    parent_id: str
+    index: int
+    detokenizer: IncrementalDetokenizer
+
+
+@dataclass
+class _StepInfo:
+    batch_size: int = 0
+    num_batched_tokens: int = 0
+    started_at: float = field(default_factory=time.perf_counter)
+
+
+class LLMEngine:
+    """Continuous-batching engine over our paged-KV model runner."""
+
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None,
+                 executor: Executor | None = None) -> None:
+        self.config = config
+        self.executor = executor or build_executor(config)
+        self.tokenizer = tokenizer or load_tokenizer(config.model, config.cache_dir)
+        # A sequence must fit the cache on its own, or it could never finish.
+        self.max_model_len = min(self.executor.max_model_len,
+                                 self.executor.num_blocks * config.block_size)
+        self.eos_token_ids = frozenset(self.executor.eos_token_ids) | frozenset(
+            self.tokenizer.eos_token_ids
+        )
+        self.block_manager = BlockManager(
+            self.executor.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+            ),
+            self.block_manager,
+        )
+        self._sequences: dict[str, _Sequence] = {}
+        self._children: dict[str, list[str]] = {}
+        self._last_step = _StepInfo()
+
+    # ---- input -------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | list[int] | None = None,
+                 messages: list[dict[str, Any]] | None = None,
+                 add_generation_prompt: bool = True,
+                 chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """Prompt text, token ids or chat messages -> token ids (chat template applied)."""
+        return tokenize_prompt(self.tokenizer, prompt, messages, add_generation_prompt,
+                               chat_template_kwargs)
+
+    def prepare(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                priority: int = 0, param_name: str = "prompt") -> PreparedRequest:
+        """Validate lengths and token ids; resolve the default max_tokens."""
+        num_prompt = len(prompt_token_ids)
+        if num_prompt == 0:
+            raise InvalidRequestError("prompt must not be empty", param=param_name)
+        vocab_size = self.executor.vocab_size
+        if any(not 0 <= t < vocab_size for t in prompt_token_ids):
+            raise InvalidRequestError(
+                f"prompt token ids must be in [0, {vocab_size})", param=param_name
+            )
+        if any(not 0 <= t < vocab_size for t in params.logit_bias):
+            raise InvalidRequestError(
+                f"logit_bias token ids must be in [0, {vocab_size})", param="logit_bias"
+            )
+        room = self.max_model_len - num_prompt
+        if room <= 0 or (params.max_tokens is not None and params.max_tokens > room):
+            raise context_length_error(self.max_model_len, num_prompt, params.max_tokens,
+                                       param_name)
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        return PreparedRequest(request_id, list(prompt_token_ids), params, max_tokens, priority)
+
+    def add_request(self, prepared: PreparedRequest) -> None:
+        """Queue a prepared request; `n > 1` becomes n sequences sharing the prompt."""
+        params = prepared.params
+        child_ids = []
+        for index in range(params.n):
+            child_params = params
+            if params.n > 1 and params.seed is not None:
+                child_params = _with_seed(params, params.seed + index)
+            child_id = f"{prepared.request_id}#{index}"
+            request = Request(
+                request_id=child_id,
+                prompt_token_ids=prepared.prompt_token_ids,
+                sampling_params=child_params,
+                max_tokens=prepared.max_tokens,
+                eos_token_ids=self.eos_token_ids,
+                priority=prepared.priority,
+            )
+            self.scheduler.add_request(request)
+            detok = IncrementalDetokenizer(self.tokenizer, prepared.prompt_token_ids, child_params)
+            self._sequences[child_id] = _Sequence(prepared.request_id, index, detok)
+            child_ids.append(child_id)
+        self._children[prepared.request_id] = child_ids
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort every sequence of a request now; its KV blocks are free on return."""
+        child_ids = self._children.pop(request_id, [])
+        self.scheduler.abort_requests(child_ids)
+        self._forget(child_ids)
+        return bool(child_ids)
+
+    # ---- the step ----------------------------------------------------------------------
+
+    def step(self) -> list[SequenceOutput]:
+        """Run one engine iteration and return what each touched sequence produced."""
+        started = time.perf_counter()
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            return []
+        runner_output = self.executor.execute(scheduler_output)
+        updated = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = [self._process(req, runner_output.sampled[req.request_id]) for req in updated]
+        self._last_step = _StepInfo(len(scheduler_output.chunks),
+                                    scheduler_output.num_batched_tokens, started)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_blocks_used=bm.num_used_blocks,
+            num_blocks_total=bm.num_blocks,
+            block_size=bm.block_size,
+            kv_bytes_per_block=self.executor.kv_bytes_per_block,
+            num_preemptions_total=self.scheduler.num_preemptions_total,
+            num_prefix_query_tokens=bm.num_prefix_query_tokens,
+            num_prefix_hit_tokens=bm.num_prefix_hit_tokens,
+            last_batch_size=self._last_step.batch_size,
+            last_num_batched_tokens=self._last_step.num_batched_tokens,
+        )
+
+    # ---- internals ---------------------------------------------------------------------
+
+    def _process(self, request: Request, sampled: SampledToken) -> SequenceOutput:
+        seq = self._sequences[request.request_id]
+        params = request.sampling_params
+        token_id = sampled.token_id
+        is_stop_token = token_id in params.stop_token_ids or (
+            token_id in request.eos_token_ids and not params.ignore_eos
+        )
+        text = "" if is_stop_token else seq.detokenizer.append(token_id)
+        finish = self._finish_reason(request, is_stop_token, seq.detokenizer)
+        if finish is not None:
+            if seq.detokenizer.stop_reason is None:
+                text += seq.detokenizer.flush()
+            status = (RequestStatus.FINISHED_STOPPED if finish == "stop"
+                      else RequestStatus.FINISHED_LENGTH)
+            self.scheduler.finish_request(request.request_id, status)
+            self._forget([request.request_id])
+            self._drop_parent_if_done(seq.parent_id)
+        return SequenceOutput(
+            request_id=seq.parent_id,
+            index=seq.index,
+            new_text=text,
+            new_token_ids=[token_id],
+            new_logprobs=[sampled] if params.logprobs is not None else None,
+            finish_reason=finish,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+        )
+
+    def _finish_reason(self, request: Request, is_stop_token: bool,
+                       detokenizer: IncrementalDetokenizer) -> str | None:
+        if is_stop_token or detokenizer.stop_reason is not None:
+            return "stop"
+        if request.num_output_tokens >= request.max_tokens:
+            return "length"
+        if request.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _forget(self, child_ids: list[str]) -> None:
+        for child_id in child_ids:
+            self._sequences.pop(child_id, None)
+        self.executor.release(child_ids)
+
+    def _drop_parent_if_done(self, parent_id: str) -> None:
+        child_ids = self._children.get(parent_id, [])
+        if all(child_id not in self._sequences for child_id in child_ids):
+            self._children.pop(parent_id, None)
+
+
+def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(params, seed=seed)

@@ -1,0 +1,97 @@
+"""Executor: the model on its device, its KV cache sized from settings, runner and sampler.
+
+The engine talks to this one object for everything that touches tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Protocol
+
+import torch
+
+from worker.engine.config import EngineConfig
+from worker.engine.kv_cache import kv_bytes_per_block
+from worker.engine.model_runner import ModelRunner
+from worker.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from worker.engine.sampler import Sampler
+from worker.models.loader import LoadedModel, load_model
+
+logger = logging.getLogger(__name__)
+
+
+class Executor(Protocol):
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    num_blocks: int
+    kv_bytes_per_block: int
+    device: str
+    dtype: str
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def release(self, request_ids: list[str]) -> None: ...
+
+
+class TorchExecutor:
+    """Owns the loaded model, the KV cache and the model runner."""
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
+        self.loaded = loaded
+        hf_config = loaded.hf_config
+        self.max_model_len = min(loaded.max_model_len, config.max_model_len or 1 << 30)
+        self.vocab_size = int(hf_config.vocab_size)
+        self.eos_token_ids = list(loaded.eos_token_ids)
+        self.kv_bytes_per_block = kv_bytes_per_block(hf_config, config.block_size, loaded.dtype)
+        self.num_blocks = _num_blocks(config, loaded, self.kv_bytes_per_block)
+        self.device = str(loaded.device)
+        self.dtype = str(loaded.dtype).removeprefix("torch.")
+        self.runner = ModelRunner(loaded, self.num_blocks, config.block_size, Sampler())
+        logger.info(
+            "kv cache: %d blocks of %d tokens (%.1f MiB), max_model_len %d, %s %s",
+            self.num_blocks, config.block_size,
+            self.num_blocks * self.kv_bytes_per_block / 2**20, self.max_model_len,
+            self.device, self.dtype,
+        )
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute(scheduler_output)
+
+    def release(self, request_ids: list[str]) -> None:
+        self.runner.release(request_ids)
+
+
+def _num_blocks(config: EngineConfig, loaded: LoadedModel, bytes_per_block: int) -> int:
+    if loaded.device.type == "cuda" and config.kv_cache_gpu_fraction:
+        free_bytes, _total = torch.cuda.mem_get_info(loaded.device)
+        budget = int(free_bytes * config.kv_cache_gpu_fraction)
+    else:
+        budget = config.kv_cache_size_mb * 2**20
+    num_blocks = budget // bytes_per_block
+    if num_blocks < 2:
+        raise ValueError(
+            f"KV cache of {budget / 2**20:.1f} MiB holds fewer than 2 blocks "
+            f"({bytes_per_block} bytes each): raise LLM_KV_CACHE_SIZE_MB"
+        )
+    return int(num_blocks)
+
+
+def configure_threads(num_threads: int | None) -> None:
+    """One intra-op thread per core present (affinity-aware), unless configured."""
+    if num_threads is None:
+        num_threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+            os.cpu_count() or 1
+        )
+    torch.set_num_threads(num_threads)
+
+
+def build_executor(config: EngineConfig) -> TorchExecutor:
+    configure_threads(config.num_threads)
+    started = time.perf_counter()
+    loaded = load_model(config.model, dtype=config.dtype, device=config.device,
+                        cache_dir=config.cache_dir)
+    logger.info("model %s loaded in %.2f s", config.model, time.perf_counter() - started)
+    return TorchExecutor(config, loaded)
