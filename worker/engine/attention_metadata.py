@@ -1,0 +1,96 @@
+"""Turn a step's scheduled chunks into flat inputs and attention metadata (once per step)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from worker.engine.outputs import ScheduledChunk
+from worker.layers.context import AttentionMetadata, PrefillChunkMeta
+
+
+@dataclass
+class StepInputs:
+    """Flat model inputs for one step plus where to read logits."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metadata: AttentionMetadata
+    logits_indices: torch.Tensor
+
+
+def slots_for(block_ids: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """Cache slots of positions [start, end) for a sequence with this block table."""
+    return [block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
+def _decode_tensors(
+    chunks: list[ScheduledChunk], block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Padded block tables [D, max_blocks] and key mask [D, 1, 1, max_blocks * block_size]."""
+    context_lens = [c.start_position + 1 for c in chunks]
+    max_blocks = max((n + block_size - 1) // block_size for n in context_lens)
+    tables = torch.zeros(len(chunks), max_blocks, dtype=torch.long)
+    for row, (chunk, n) in enumerate(zip(chunks, context_lens, strict=True)):
+        used = chunk.block_ids[: (n + block_size - 1) // block_size]
+        tables[row, : len(used)] = torch.tensor(used, dtype=torch.long)
+    lens = torch.tensor(context_lens, dtype=torch.long)
+    mask = torch.arange(max_blocks * block_size)[None, :] < lens[:, None]
+    return tables, mask[:, None, None, :]
+
+
+def _prefill_meta(
+    chunk: ScheduledChunk, token_start: int, block_size: int, device: torch.device
+) -> PrefillChunkMeta:
+    meta = PrefillChunkMeta(token_start, chunk.num_tokens, chunk.start_position)
+    if chunk.start_position == 0:
+        return meta
+    context_len = chunk.start_position + chunk.num_tokens
+    slots = slots_for(chunk.block_ids, 0, context_len, block_size)
+    query_positions = torch.arange(chunk.start_position, context_len)
+    mask = torch.arange(context_len)[None, :] <= query_positions[:, None]
+    meta.context_slots = torch.tensor(slots, dtype=torch.long).to(device, non_blocking=True)
+    meta.mask = mask.to(device, non_blocking=True)
+    return meta
+
+
+def build_step_inputs(
+    chunks: list[ScheduledChunk], block_size: int, device: torch.device
+) -> StepInputs:
+    """Flat input ids, positions, slot mapping and per-chunk attention metadata."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slot_mapping: list[int] = []
+    logits_indices: list[int] = []
+    prefills: list[PrefillChunkMeta] = []
+    num_decode = 0
+    for chunk in chunks:
+        start, end = chunk.start_position, chunk.start_position + chunk.num_tokens
+        token_start = len(input_ids)
+        if chunk.num_tokens == 1 and token_start == num_decode and start > 0:
+            num_decode += 1
+        else:
+            prefills.append(_prefill_meta(chunk, token_start, block_size, device))
+        input_ids += chunk.request.token_ids_slice(start, end)
+        positions += range(start, end)
+        slot_mapping += slots_for(chunk.block_ids, start, end, block_size)
+        if chunk.is_sampling:
+            logits_indices.append(len(input_ids) - 1)
+    metadata = AttentionMetadata(
+        slot_mapping=_to(slot_mapping, device), num_decode_tokens=num_decode, prefills=prefills
+    )
+    if num_decode:
+        tables, mask = _decode_tensors(chunks[:num_decode], block_size)
+        metadata.decode_block_tables = tables.to(device, non_blocking=True)
+        metadata.decode_mask = mask.to(device, non_blocking=True)
+    return StepInputs(
+        input_ids=_to(input_ids, device),
+        positions=_to(positions, device),
+        metadata=metadata,
+        logits_indices=_to(logits_indices, device),
+    )
+
+
+def _to(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)

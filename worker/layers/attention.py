@@ -1,0 +1,81 @@
+"""Paged attention: write this step's K/V into the block cache, then attend over it."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.layers.context import AttentionMetadata, PrefillChunkMeta, get_attention_metadata
+
+
+class PagedAttention(nn.Module):
+    """Attention over a paged cache of shape [num_blocks, block_size, num_kv_heads, head_dim].
+
+    The runner binds `k_cache` and `v_cache` after allocating them. Inputs are flat:
+    q [T, num_heads, head_dim], k and v [T, num_kv_heads, head_dim]; output [T, num_heads, head_dim].
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        meta = get_attention_metadata()
+        if self.k_cache is None or self.v_cache is None:
+            raise RuntimeError("KV cache not bound to the attention layer")
+        k_flat = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
+        v_flat = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        k_flat.index_copy_(0, meta.slot_mapping, k)
+        v_flat.index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        if meta.num_decode_tokens:
+            num = meta.num_decode_tokens
+            out[:num] = self._decode(q[:num], meta)
+        for chunk in meta.prefills:
+            rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
+            out[rows] = self._prefill(q[rows], k[rows], v[rows], k_flat, v_flat, chunk)
+        return out
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+        # q [B, H, Lq, D], k/v [B, Hkv, Lk, D]
+        return F.scaled_dot_product_attention(
+            q, k, v, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads, **kwargs
+        )
+
+    def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        tables = meta.decode_block_tables
+        num_seqs = tables.shape[0]
+        k = self.k_cache[tables].view(num_seqs, -1, self.num_kv_heads, self.head_dim)
+        v = self.v_cache[tables].view(num_seqs, -1, self.num_kv_heads, self.head_dim)
+        out = self._sdpa(
+            q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=meta.decode_mask
+        )
+        return out.squeeze(2)
+
+    def _prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_flat: torch.Tensor,
+        v_flat: torch.Tensor,
+        chunk: PrefillChunkMeta,
+    ) -> torch.Tensor:
+        if chunk.context_slots is None:
+            out = self._sdpa(
+                q.transpose(0, 1)[None],
+                k.transpose(0, 1)[None],
+                v.transpose(0, 1)[None],
+                is_causal=True,
+            )
+        else:
+            k_ctx = k_flat[chunk.context_slots].transpose(0, 1)[None]
+            v_ctx = v_flat[chunk.context_slots].transpose(0, 1)[None]
+            out = self._sdpa(q.transpose(0, 1)[None], k_ctx, v_ctx, attn_mask=chunk.mask)
+        return out[0].transpose(0, 1)

@@ -1,0 +1,136 @@
+"""Rotary position embeddings: inverse frequencies per scaling type, cos/sin cache built once.
+
+Reads transformers 5's `rope_parameters` (older `rope_scaling` + `rope_theta` as fallback).
+Supported `rope_type`: default, linear, dynamic, llama3, yarn. Dynamic NTK only changes the
+frequencies beyond `max_position_embeddings`, which the loader never exceeds, so it equals default.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    """The config's rope dict with `rope_type` and `rope_theta` always present."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if not params:
+        params = dict(getattr(config, "rope_scaling", None) or {})
+    params.setdefault("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    return params
+
+
+def _default_inv_freq(base: float, dim: int) -> torch.Tensor:
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim
+    return 1.0 / (base**exponents)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
+    factor = params["factor"]
+    low, high = params["low_freq_factor"], params["high_freq_factor"]
+    old_len = params["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_inv_freq(
+    base: float, dim: int, params: dict[str, Any], max_positions: int
+) -> tuple[torch.Tensor, float]:
+    original = params["original_max_position_embeddings"]
+    factor = params.get("factor") or max_positions / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor)
+    beta_fast = params.get("beta_fast") or 32
+    beta_slow = params.get("beta_slow") or 1
+
+    def correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(original / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(torch.float) / dim)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * ramp + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+def compute_inv_freq(
+    params: dict[str, Any], head_dim: int, max_positions: int
+) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [rotary_dim // 2], scale applied to cos/sin) for a rope dict."""
+    rope_type = params["rope_type"]
+    base = float(params["rope_theta"])
+    dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+    if dim != head_dim:
+        raise ValueError("partial rotary embeddings are not supported")
+    if rope_type == "yarn":
+        return _yarn_inv_freq(base, dim, params, max_positions)
+    inv_freq = _default_inv_freq(base, dim)
+    if rope_type in ("default", "dynamic"):
+        return inv_freq, 1.0
+    if rope_type == "linear":
+        return inv_freq / params["factor"], 1.0
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, params), 1.0
+    raise ValueError(
+        f"rope_type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+    )
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """Holds cos/sin for every position up to `max_positions`; a step indexes it by position."""
+
+    def __init__(self, params: dict[str, Any], head_dim: int, max_positions: int) -> None:
+        super().__init__()
+        self.params = params
+        self.head_dim = head_dim
+        self.max_positions = max_positions
+        self.register_buffer("cos_cache", torch.empty(max_positions, head_dim), persistent=False)
+        self.register_buffer("sin_cache", torch.empty(max_positions, head_dim), persistent=False)
+
+    def build_cache(self) -> None:
+        """Fill the cache on the buffers' device and dtype (after weights are placed)."""
+        inv_freq, scale = compute_inv_freq(self.params, self.head_dim, self.max_positions)
+        positions = torch.arange(self.max_positions, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos_cache.copy_((emb.cos() * scale).to(self.cos_cache.dtype))
+        self.sin_cache.copy_((emb.sin() * scale).to(self.sin_cache.dtype))
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape [T, 1, head_dim] for flat positions [T] (broadcast over heads)."""
+        return self.cos_cache[positions].unsqueeze(1), self.sin_cache[positions].unsqueeze(1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, heads, head_dim] (HF's rotate-half convention)."""
+    return x * cos + _rotate_half(x) * sin

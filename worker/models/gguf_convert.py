@@ -1,0 +1,141 @@
+"""One-time conversion of a GGUF file into a Hugging Face directory (config, safetensors,
+tokenizer), written atomically so that later starts load the directory directly.
+
+The config and tokenizer come from transformers' GGUF readers; tensors are dequantised with
+the `gguf` package, renamed to HF names, and llama.cpp's Q/K row permutation is undone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+from worker.models.registry import MODEL_TYPES
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_GGUF_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+# Architectures whose Q/K rows llama.cpp permuted at conversion.
+PERMUTED_ARCHS = ("llama", "mistral")
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def hf_name(gguf_name: str) -> str:
+    """The HF parameter name for a GGUF tensor name."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _BLOCK_RE.fullmatch(gguf_name)
+    if match is None or match.group(2) not in _BLOCK_NAMES:
+        raise ValueError(f"unknown GGUF tensor {gguf_name!r}")
+    layer, part, kind = match.groups()
+    return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
+
+
+def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's per-head interleaving of rotary halves in Q/K rows."""
+    half = weight.shape[0] // num_heads // 2
+    rows = weight.reshape(num_heads, half, 2, *weight.shape[1:])
+    return rows.swapaxes(1, 2).reshape(weight.shape)
+
+
+def gguf_tensors(path: Path, config: dict) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF name, float32 array) for every tensor in the file, permutation undone."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(str(path))
+    arch = config["model_type"]
+    for tensor in reader.tensors:
+        array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+        array = array.reshape(tuple(reversed([int(n) for n in tensor.shape])))
+        name = hf_name(tensor.name)
+        if arch in PERMUTED_ARCHS and ".attn_q." in tensor.name:
+            array = unpermute_qk(array, config["num_attention_heads"])
+        elif arch in PERMUTED_ARCHS and ".attn_k." in tensor.name:
+            array = unpermute_qk(array, config["num_key_value_heads"])
+        yield name, array
+
+
+def _write_config(gguf_path: Path, out: Path) -> dict:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    if config.model_type not in SUPPORTED_GGUF_ARCHS:
+        raise ValueError(
+            f"unsupported GGUF architecture {config.model_type!r}; "
+            f"supported: {', '.join(SUPPORTED_GGUF_ARCHS)}"
+        )
+    config.architectures = [MODEL_TYPES[config.model_type]]
+    config.save_pretrained(str(out))
+    generation = {
+        key: getattr(config, key)
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id")
+        if getattr(config, key, None) is not None
+    }
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    return config.to_dict()
+
+
+def _write_tokenizer(gguf_path: Path, out: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tokenizer.save_pretrained(str(out))
+
+
+def _write_weights(gguf_path: Path, out: Path, config: dict, dtype: torch.dtype) -> None:
+    tensors = {
+        name: torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
+        for name, array in gguf_tensors(gguf_path, config)
+    }
+    if config.get("tie_word_embeddings"):
+        tensors.pop("lm_head.weight", None)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.float32) -> Path:
+    """Write the HF directory for `gguf_path` at `out_dir` (tmp dir, then rename)."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+    try:
+        config = _write_config(gguf_path, tmp)
+        _write_tokenizer(gguf_path, tmp)
+        _write_weights(gguf_path, tmp, config, dtype)
+        try:
+            tmp.rename(out_dir)
+        except OSError:
+            if not (out_dir / "model.safetensors").exists():
+                raise
+            log.info("another process converted %s first", gguf_path.name)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir

@@ -1,0 +1,208 @@
+"""The Llama family: Llama, Mistral, Qwen2 (qkv bias) and Qwen3 (per-head q/k RMSNorm).
+
+Parameter names follow Hugging Face checkpoints, except that q/k/v and gate/up are fused
+(`qkv_proj`, `gate_up_proj`); `load_weights` packs checkpoint tensors into them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from worker.layers.activation import SiluAndMul
+from worker.layers.attention import PagedAttention
+from worker.layers.linear import PackedLinear
+from worker.layers.norm import RMSNorm
+from worker.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+
+# checkpoint name fragment -> (fused module name fragment, shard index)
+PACKED_WEIGHTS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+@dataclass(frozen=True)
+class LlamaVariant:
+    """What differs between members of the family."""
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+
+
+def variant_for(architecture: str, config: Any) -> LlamaVariant:
+    attention_bias = bool(getattr(config, "attention_bias", False))
+    if architecture == "Qwen2ForCausalLM":
+        return LlamaVariant(qkv_bias=True)
+    if architecture == "Qwen3ForCausalLM":
+        return LlamaVariant(qkv_bias=attention_bias, o_bias=attention_bias, qk_norm=True)
+    return LlamaVariant(
+        qkv_bias=attention_bias,
+        o_bias=attention_bias,
+        mlp_bias=bool(getattr(config, "mlp_bias", False)),
+    )
+
+
+def head_dim_of(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, variant: LlamaVariant) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = head_dim_of(config)
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = PackedLinear(
+            config.hidden_size, [q_size, kv_size, kv_size], bias=variant.qkv_bias
+        )
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=variant.o_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if variant.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if variant.qk_norm else None
+        self.attn = PagedAttention(
+            self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5
+        )
+        self.split_sizes = [q_size, kv_size, kv_size]
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split(self.split_sizes, dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.attn(q, k, v)
+        return self.o_proj(out.reshape(num_tokens, -1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any, variant: LlamaVariant) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = PackedLinear(config.hidden_size, [size, size], bias=variant.mlp_bias)
+        self.down_proj = nn.Linear(size, config.hidden_size, bias=variant.mlp_bias)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, variant: LlamaVariant) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, variant)
+        self.mlp = LlamaMLP(config, variant)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, variant: LlamaVariant, max_positions: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, variant) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(
+            rope_parameters(config), head_dim_of(config), max_positions
+        )
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions)
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    """forward(input_ids [T], positions [T]) -> hidden [T, H]; compute_logits -> float32 logits."""
+
+    def __init__(self, config: Any, architecture: str, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, variant_for(architecture, config), max_positions)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self._lm_head_f32: torch.Tensor | None = None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [N, vocab] for the selected hidden states [N, H]."""
+        weight = self.lm_head.weight
+        if weight.dtype != torch.float32:
+            if self._lm_head_f32 is None:
+                self._lm_head_f32 = weight.float()
+            weight = self._lm_head_f32
+        return hidden.float() @ weight.t()
+
+    def post_load(self) -> None:
+        """Build what is derived from config rather than loaded (rotary cache)."""
+        self.model.rotary_emb.build_cache()
+        self._lm_head_f32 = None
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors (HF names) into parameters; returns the names loaded."""
+        if self.tie_word_embeddings:  # moving off the meta device unties parameters
+            self.lm_head.weight = self.model.embed_tokens.weight
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            target = _packed_target(name)
+            if target is not None:
+                packed_name, shard = target
+                module = self.get_submodule(packed_name.rsplit(".", 1)[0])
+                module.load_shard(params[packed_name], shard, tensor)
+                loaded.add(f"{packed_name}#{shard}")
+                continue
+            if name not in params:
+                raise ValueError(f"unexpected weight {name!r} in checkpoint")
+            params[name].data.copy_(tensor)
+            loaded.add(name)
+        self._check_complete(params, loaded)
+        return loaded
+
+    def _check_complete(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
+        missing = []
+        for name, param in params.items():
+            module = self.get_submodule(name.rsplit(".", 1)[0])
+            if isinstance(module, PackedLinear):
+                shards = [f"{name}#{i}" for i in range(len(module.shard_sizes))]
+                missing += [s for s in shards if s not in loaded]
+            elif name not in loaded:
+                missing.append(name)
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}")
+
+
+def _packed_target(name: str) -> tuple[str, int] | None:
+    for fragment, (packed, shard) in PACKED_WEIGHTS.items():
+        if f".{fragment}." in name:
+            return name.replace(f".{fragment}.", f".{packed}."), shard
+    return None

@@ -1,0 +1,166 @@
+"""Load a model by reference: the default name, a local HF directory, or a .gguf file.
+
+A GGUF is converted once into an HF directory under the cache; later starts read that.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from shared.model_files import converted_dir, resolve_model
+from worker.models.gguf_convert import convert_gguf
+from worker.models.registry import build_model
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run, and what the engine needs to know about it."""
+
+    model: nn.Module
+    hf_config: Any
+    model_dir: Path
+    dtype: torch.dtype
+    device: torch.device
+    max_model_len: int
+    eos_token_ids: list[int]
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def cpu_has_native_bf16() -> bool:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return bool({"avx512_bf16", "amx_bf16"} & set(flags.split()))
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """ "auto": bfloat16 on CUDA, and on CPUs with native bf16; float32 otherwise."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type == "cuda" or cpu_has_native_bf16():
+            return torch.bfloat16
+        return torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def hf_dir_for(ref: str, cache_dir: str | None = None) -> Path:
+    """The HF directory for `ref`, converting a GGUF on first use."""
+    source = resolve_model(ref)
+    if source.kind == "hf_dir":
+        return source.path
+    target = converted_dir(source, cache_dir)
+    if (target / "model.safetensors").exists():
+        return target
+    started = time.perf_counter()
+    convert_gguf(source.path, target)
+    log.info(
+        "converted GGUF %s to %s in %.1fs", source.path.name, target, time.perf_counter() - started
+    )
+    return target
+
+
+def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
+
+
+def eos_token_ids(model_dir: Path, config: Any) -> list[int]:
+    """eos ids from generation_config.json when present, else from config."""
+    value = getattr(config, "eos_token_id", None)
+    generation = model_dir / "generation_config.json"
+    if generation.exists():
+        value = json.loads(generation.read_text()).get("eos_token_id", value)
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def load_model(
+    ref: str,
+    dtype: str | torch.dtype = "auto",
+    device: str = "auto",
+    cache_dir: str | None = None,
+    max_model_len: int | None = None,
+) -> LoadedModel:
+    """Build our model for `ref` and load its weights onto `device` in `dtype`."""
+    from transformers import AutoConfig
+
+    started = time.perf_counter()
+    model_dir = hf_dir_for(ref, cache_dir)
+    config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    model_len = _max_model_len(config, max_model_len)
+    with _default_dtype(torch_dtype), torch.device("meta"):
+        model = build_model(config, model_len)
+    model.to_empty(device=torch_device)
+    with torch.no_grad():
+        model.load_weights(iter_safetensors(model_dir))
+        model.post_load()
+    model.eval()
+    log.info(
+        "loaded %s (%s, %s, %s) in %.1fs",
+        model_dir,
+        type(model).__name__,
+        torch_dtype,
+        torch_device,
+        time.perf_counter() - started,
+    )
+    return LoadedModel(
+        model=model,
+        hf_config=config,
+        model_dir=model_dir,
+        dtype=torch_dtype,
+        device=torch_device,
+        max_model_len=model_len,
+        eos_token_ids=eos_token_ids(model_dir, config),
+    )
+
+
+def _max_model_len(config: Any, cap: int | None) -> int:
+    length = int(getattr(config, "max_position_embeddings", 0) or 2048)
+    # We attend over the full context; a sliding window would change results past it.
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", True):
+        length = min(length, int(window))
+    return min(length, cap) if cap else length
