@@ -13,7 +13,7 @@ class PagedAttention(nn.Module):
     """Attention over a paged cache of shape [num_blocks, block_size, num_kv_heads, head_dim].
 
     The runner binds `k_cache` and `v_cache` after allocating them. Inputs are flat:
-    q [T, num_heads, head_dim], k and v [T, num_kv_heads, head_dim]; output [T, num_heads, head_dim].
+    q [T, num_heads, head_dim], k and v [T, num_kv_heads, head_dim]; out like q.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:

@@ -113,12 +113,19 @@ def _write_tokenizer(gguf_path: Path, out: Path) -> None:
 
 def _write_weights(gguf_path: Path, out: Path, config: dict, dtype: torch.dtype) -> None:
     tensors = {
-        name: torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
+        name: torch.from_numpy(np.array(array, dtype=np.float32, order="C")).to(dtype)
         for name, array in gguf_tensors(gguf_path, config)
     }
     if config.get("tie_word_embeddings"):
         tensors.pop("lm_head.weight", None)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _make_readable(directory: Path) -> None:
+    """mkdtemp makes a private directory; the converted model is shared like any cache."""
+    directory.chmod(0o755)
+    for path in directory.iterdir():
+        path.chmod(0o644)
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.float32) -> Path:
@@ -129,6 +136,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.floa
         config = _write_config(gguf_path, tmp)
         _write_tokenizer(gguf_path, tmp)
         _write_weights(gguf_path, tmp, config, dtype)
+        _make_readable(tmp)
         try:
             tmp.rename(out_dir)
         except OSError:

@@ -190,7 +190,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _check_complete(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
         missing = []
-        for name, param in params.items():
+        for name in params:
             module = self.get_submodule(name.rsplit(".", 1)[0])
             if isinstance(module, PackedLinear):
                 shards = [f"{name}#{i}" for i in range(len(module.shard_sizes))]
