@@ -1,0 +1,290 @@
+"""`ladle up`: a Redis, one API process and N workers as children, supervised until a signal.
+
+The children are `python -m api` and `python -m worker`, started in their own sessions so the
+launcher alone decides how they stop: on SIGINT/SIGTERM it sends each SIGTERM, waits for the
+workers to drain, then kills what is left (a second signal kills at once). A child that dies on
+its own takes the rest down with it and the launcher exits non-zero.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from shared.broker import BrokerError, find_or_start_redis, safe_url
+from shared.config import Settings
+from shared.logging import setup_logging
+
+logger = logging.getLogger("ladle.launcher")
+
+# Time on top of LLM_SHUTDOWN_TIMEOUT_S: a worker drains for that long, then hands jobs back.
+SHUTDOWN_MARGIN_S = 15.0
+
+
+@dataclass
+class UpOptions:
+    """What `ladle up` was asked for; None means "from the LLM_* settings"."""
+
+    num_workers: int = 1
+    host: str | None = None
+    port: int | None = None
+    model: str | None = None
+    redis_url: str | None = None
+    start_redis: bool = True
+    ready_timeout_s: float = 600.0
+    shutdown_timeout_s: float | None = None
+
+
+@dataclass
+class ChildSpec:
+    """One child process to run: a name for logs, its argv and its full environment."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+
+
+@dataclass
+class Child:
+    spec: ChildSpec
+    proc: subprocess.Popen = field(repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+def settings_for(options: UpOptions) -> Settings:
+    """The settings the children will see: LLM_* variables and .env, then the flags."""
+    overrides = {
+        "host": options.host,
+        "port": options.port,
+        "model_name": options.model,
+        "redis_url": options.redis_url,
+    }
+    return Settings(**{k: v for k, v in overrides.items() if v is not None})
+
+
+def child_specs(
+    settings: Settings,
+    num_workers: int,
+    base_env: dict[str, str],
+    worker_id_base: str | None = None,
+) -> list[ChildSpec]:
+    """The API and `num_workers` workers, each with distinct worker id and metrics port."""
+    env = dict(base_env)
+    env.update(
+        {
+            "LLM_REDIS_URL": settings.redis_url,
+            "LLM_HOST": settings.host,
+            "LLM_PORT": str(settings.port),
+            "LLM_MODEL_NAME": settings.model_name,
+        }
+    )
+    specs = [ChildSpec("api", [sys.executable, "-m", "api"], env)]
+    id_base = worker_id_base or settings.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+    threads = _threads_per_worker(num_workers, base_env)
+    for i in range(num_workers):
+        worker_env = dict(env)
+        worker_env["LLM_WORKER_ID"] = f"{id_base}-{i}"
+        port = settings.worker_metrics_port
+        worker_env["LLM_WORKER_METRICS_PORT"] = str(port + i if port else 0)
+        if threads:
+            worker_env["LLM_NUM_THREADS"] = str(threads)
+        specs.append(ChildSpec(f"worker-{i}", [sys.executable, "-m", "worker"], worker_env))
+    return specs
+
+
+def _threads_per_worker(num_workers: int, env: dict[str, str]) -> int | None:
+    """Share the CPU cores among several workers unless LLM_NUM_THREADS says otherwise."""
+    if num_workers < 2 or env.get("LLM_NUM_THREADS"):
+        return None
+    return max(1, (os.cpu_count() or 1) // num_workers)
+
+
+def client_host(host: str) -> str:
+    """Where a local client reaches a server bound to `host`."""
+    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+
+
+def base_url(settings: Settings) -> str:
+    host = client_host(settings.host)
+    host = f"[{host}]" if ":" in host else host
+    return f"http://{host}:{settings.port}"
+
+
+def probe_ready(url: str, timeout_s: float = 2.0) -> bool:
+    """True if GET `url` answers 200."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def banner(settings: Settings) -> str:
+    """Where to point a client, with a curl line that works as printed."""
+    url = base_url(settings)
+    auth = ' -H "Authorization: Bearer $LADLE_API_KEY"' if settings.api_keys else ""
+    message = '[{"role": "user", "content": "Hello!"}]'
+    body = f'{{"model": "{settings.model_id}", "messages": {message}, "max_tokens": 32}}'
+    return (
+        f"\n  Ladle is ready: {url}/v1  (model: {settings.model_id})\n"
+        f"  OpenAI clients: base_url={url}/v1\n"
+        f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
+        f"-d '{body}'\n  metrics: {url}/metrics   stop: Ctrl-C\n"
+    )
+
+
+class Supervisor:
+    """Starts child processes, notices when one exits, stops them all."""
+
+    def __init__(self, specs: Sequence[ChildSpec]) -> None:
+        self.specs = list(specs)
+        self.children: list[Child] = []
+
+    def start(self) -> None:
+        for spec in self.specs:
+            proc = subprocess.Popen(spec.argv, env=spec.env, start_new_session=True)
+            self.children.append(Child(spec, proc))
+            logger.info("started %s (pid %d): %s", spec.name, proc.pid, " ".join(spec.argv[1:]))
+
+    def first_exited(self) -> Child | None:
+        """A child that has exited, if any."""
+        return next((c for c in self.children if c.proc.poll() is not None), None)
+
+    def stop(self, timeout_s: float, force: Callable[[], bool] = lambda: False) -> None:
+        """SIGTERM every child, wait up to `timeout_s` (or until `force()`), then SIGKILL."""
+        for child in self._alive():
+            _send(child, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while self._alive() and time.monotonic() < deadline and not force():
+            time.sleep(0.1)
+        for child in self._alive():
+            logger.warning("%s did not stop in time; killing it", child.name)
+            _send(child, signal.SIGKILL)
+        for child in self.children:
+            child.proc.wait()
+            logger.info("%s exited with code %s", child.name, child.proc.returncode)
+
+    def any_alive(self) -> bool:
+        return bool(self._alive())
+
+    def _alive(self) -> list[Child]:
+        return [c for c in self.children if c.proc.poll() is None]
+
+
+def _send(child: Child, sig: signal.Signals) -> None:
+    try:
+        child.proc.send_signal(sig)
+    except ProcessLookupError:
+        pass
+
+
+class SignalLatch:
+    """Counts SIGINT/SIGTERM while installed; restores the previous handlers on exit."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> SignalLatch:
+        for sig in self.SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.count += 1
+        name = signal.Signals(signum).name
+        if self.count == 1:
+            logger.warning("%s received: stopping (send it again to kill at once)", name)
+        else:
+            logger.warning("%s received again: killing the children", name)
+
+
+def supervise(
+    sup: Supervisor,
+    latch: SignalLatch,
+    ready_url: str,
+    ready_timeout_s: float,
+    on_ready: Callable[[], None],
+    poll_s: float = 0.25,
+) -> int:
+    """Watch the children until a signal (0) or an unexpected exit / readiness timeout (1)."""
+    started = time.monotonic()
+    is_ready, next_note = False, started + 15.0
+    while not latch.count:
+        dead = sup.first_exited()
+        if dead is not None:
+            logger.error(
+                "%s exited unexpectedly with code %s; stopping the rest",
+                dead.name,
+                dead.proc.returncode,
+            )
+            return 1
+        now = time.monotonic()
+        if not is_ready and probe_ready(ready_url):
+            is_ready = True
+            on_ready()
+        elif not is_ready and now - started > ready_timeout_s:
+            logger.error("not ready after %.0f s (%s); stopping", ready_timeout_s, ready_url)
+            return 1
+        elif not is_ready and now > next_note:
+            logger.info("waiting for %s (workers load the model first)...", ready_url)
+            next_note = now + 15.0
+        time.sleep(poll_s)
+    return 0
+
+
+def run_up(options: UpOptions) -> int:
+    """Find or start Redis, start the API and the workers, supervise them; the exit code."""
+    settings = settings_for(options)
+    setup_logging(settings.log_level)
+    try:
+        broker = find_or_start_redis(settings.redis_url, allow_start=options.start_redis)
+    except BrokerError as exc:
+        logger.error("no Redis: %s", exc)
+        return 1
+    settings = settings.model_copy(update={"redis_url": broker.url})
+    shutdown_s = options.shutdown_timeout_s
+    if shutdown_s is None:
+        shutdown_s = settings.shutdown_timeout_s + SHUTDOWN_MARGIN_S
+    sup = Supervisor(child_specs(settings, options.num_workers, dict(os.environ)))
+    logger.info(
+        "starting the API on %s and %d worker(s); Redis (%s) at %s",
+        base_url(settings),
+        options.num_workers,
+        broker.kind,
+        safe_url(broker.url),
+    )
+    try:
+        with SignalLatch() as latch:
+            sup.start()
+            code = supervise(
+                sup,
+                latch,
+                base_url(settings) + "/ready",
+                options.ready_timeout_s,
+                on_ready=lambda: print(banner(settings), flush=True),
+            )
+            sup.stop(shutdown_s, force=lambda: latch.count > 1)
+    finally:
+        if sup.any_alive():  # an exception got here first
+            sup.stop(0)
+        broker.stop()
+    return code
