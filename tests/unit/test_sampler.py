@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from worker.engine.request import Request
-from worker.engine.sampler import Sampler
+from worker.engine.sampler import Sampler, _top_k_top_p
 from worker.engine.sampling_params import SamplingParams
 
 torch.set_num_threads(1)
@@ -181,6 +181,24 @@ def test_top_p_support_is_exact() -> None:
     # ... but after top_k 4 the renormalised cumulative is 0.47, 0.71, 0.88: tokens 0..2
     counts = draw(logits, lambda: make_request(temperature=1.0, top_k=4, top_p=0.8), times=2000)
     assert set(counts) == {0, 1, 2}
+
+
+def _reference_num_kept(row: torch.Tensor, top_k: int, top_p: float) -> int:
+    ordered = row.double().sort(descending=True).values
+    if top_k:
+        ordered = ordered[:top_k]
+    cumulative = ordered.softmax(-1).cumsum(-1)
+    return min(int((cumulative < top_p).sum()) + 1, len(ordered))
+
+
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.97])
+def test_top_k_top_p_cut_matches_reference_on_a_large_vocab(top_p: float) -> None:
+    # a flat distribution over 5000 tokens needs more than the 1024 candidates at high top_p
+    logits = torch.randn(4, 5000, generator=torch.Generator().manual_seed(1)) * 0.5
+    settings = [(0, top_p), (50, top_p), (2000, top_p), (7, 1.0)]
+    params = [SamplingParams(top_k=k, top_p=p) for k, p in settings]
+    kept = torch.isfinite(_top_k_top_p(logits, params)).sum(-1).tolist()
+    assert kept == [_reference_num_kept(logits[i], k, p) for i, (k, p) in enumerate(settings)]
 
 
 def test_mixed_batch_filters_are_per_row() -> None:

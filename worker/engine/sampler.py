@@ -19,7 +19,9 @@ from worker.engine.request import Request
 from worker.engine.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
-_MIN_NOISE = 1e-20
+_MIN_UNIFORM = 1e-20
+# Tokens examined before a full sort when top_p is set without top_k.
+_TOP_P_CANDIDATES = 1024
 
 
 class Sampler:
@@ -59,12 +61,15 @@ class Sampler:
         return token_ids
 
     def _noise(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-        """Exp(1) noise per row: seeded rows from their own generator, others shared."""
-        noise = torch.empty_like(logits).exponential_()
+        """Exp(1) noise per row (-log U): seeded rows from their own generator, others shared."""
+        uniform = torch.rand_like(logits)
         for row, request in enumerate(requests):
             if request.sampling_params.seed is not None:
-                noise[row].exponential_(generator=self._generator(request, logits.device))
-        return noise.clamp_(min=_MIN_NOISE)
+                generator = self._generator(request, logits.device)
+                uniform[row] = torch.rand(
+                    logits.shape[1], generator=generator, device=logits.device
+                )
+        return uniform.clamp_(min=_MIN_UNIFORM).log_().neg_()
 
     def _generator(self, request: Request, device: torch.device) -> torch.Generator:
         generator = self._generators.get(request.request_id)
@@ -180,24 +185,46 @@ def _filter(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         probs = logits.softmax(dim=-1)
         threshold = _column([p.min_p for p in params], logits) * probs.amax(dim=-1, keepdim=True)
         logits = logits.masked_fill(probs < threshold, _NEG_INF)
-    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-        logits = _top_k_top_p(logits, params)
+    cut_rows = [i for i, p in enumerate(params) if p.top_k > 0 or p.top_p < 1.0]
+    if cut_rows:
+        rows = _long(cut_rows, logits)
+        cut = _top_k_top_p(logits.index_select(0, rows), [params[i] for i in cut_rows])
+        logits = logits.index_copy(0, rows, cut)
     return logits
 
 
 def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Mask tokens below each row's cut-off logit (ties with the cut-off are kept).
+
+    A partial top-n selection replaces the full vocabulary sort whenever the top n tokens
+    already hold every row's top-k set and top-p mass; otherwise it falls back to n = V.
+    """
     vocab_size = logits.shape[1]
-    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
-    top_k = _long([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params], logits)
-    positions = torch.arange(vocab_size, device=logits.device).unsqueeze(0)
-    sorted_logits = sorted_logits.masked_fill(positions >= top_k.unsqueeze(1), _NEG_INF)
+    top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+    limited = [k for k in top_k if k < vocab_size]
+    wide = len(limited) < len(top_k)
+    num_candidates = min(vocab_size, max(limited + ([_TOP_P_CANDIDATES] if wide else [])))
+    values, num_kept = _cut(logits, params, _long(top_k, logits), num_candidates)
+    if wide and num_candidates < vocab_size and bool((num_kept == num_candidates).any()):
+        values, num_kept = _cut(logits, params, _long(top_k, logits), vocab_size)
+    return logits.masked_fill(logits < values.gather(1, num_kept - 1), _NEG_INF)
+
+
+def _cut(
+    logits: torch.Tensor, params: list[SamplingParams], top_k: torch.Tensor, num_candidates: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top logits [S, n] sorted, and [S, 1] how many survive top_k then top_p."""
+    values = logits.topk(num_candidates, dim=-1).values
+    positions = torch.arange(num_candidates, device=logits.device).unsqueeze(0)
+    kept = positions < top_k.unsqueeze(1)
+    top_k_mass = values.masked_fill(~kept, _NEG_INF).logsumexp(dim=-1)
+    is_limited = (top_k < logits.shape[1]).to(values.dtype)
+    log_mass = is_limited * top_k_mass + (1 - is_limited) * logits.logsumexp(dim=-1)
+    probs = (values - log_mass.unsqueeze(1)).exp().masked_fill(~kept, 0.0)
+    before = probs.cumsum(dim=-1) - probs  # probability mass strictly above each token
     top_p = _column([p.top_p for p in params], logits)
-    if bool((top_p < 1.0).any()):
-        probs = sorted_logits.softmax(dim=-1)
-        before = probs.cumsum(dim=-1) - probs  # probability mass strictly above each token
-        drop = (before >= top_p) & (positions > 0)
-        sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
-    return torch.full_like(logits, _NEG_INF).scatter(1, sorted_ids, sorted_logits)
+    kept &= (before < top_p) | (top_p >= 1.0) | (positions == 0)
+    return values, kept.sum(dim=-1, keepdim=True)
 
 
 def _with_logprobs(
