@@ -149,6 +149,14 @@ def test_hold_back_never_loses_text(sp: Tokenizer) -> None:
     assert detok.stop_reason is None
 
 
+def test_stop_strings_wait_for_min_tokens(sp: Tokenizer) -> None:
+    output_ids = sp.encode("the fox and the fox jumps", add_special_tokens=False)
+    num_first = len(sp.encode("the fox", add_special_tokens=False))
+    deltas, detok = run(sp, [], output_ids, stop=["fox"], min_tokens=num_first + 1)
+    assert detok.stop_reason == "fox"
+    assert "".join(deltas) == detok.output_text == "the fox and the "
+
+
 def test_stop_in_prompt_is_not_matched(sp: Tokenizer) -> None:
     prompt_ids = sp.encode("stop here", add_special_tokens=False)
     output_ids = sp.encode(" and end now", add_special_tokens=False)

@@ -5,7 +5,8 @@ of previous tokens with and without the new token and emits the difference, so l
 spaces (BPE, SentencePiece) come out right and a multi-byte character split over tokens is
 held until complete. The window starts in the prompt, so the first output token is decoded
 in context. Stop strings are matched in the output text only; text that may still be the
-start of a stop string is held back until it is decided.
+start of a stop string is held back until it is decided. As in vLLM, stop strings are only
+checked once the request has min_tokens output tokens.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ class IncrementalDetokenizer:
         self._stops = [stop for stop in params.stop if stop]
         self._max_stop_len = max((len(stop) for stop in self._stops), default=0)
         self._include_stop = params.include_stop_str_in_output
+        self._min_tokens = params.min_tokens
+        self._num_output_tokens = 0
         self._token_ids = self._prompt_context(prompt_token_ids)
         self._prefix_offset = 0
         self._read_offset = len(self._token_ids)
@@ -57,6 +60,7 @@ class IncrementalDetokenizer:
         if self.is_stopped:
             return ""
         self._token_ids.append(token_id)
+        self._num_output_tokens += 1
         return self._accept(self._decode_new(final=False))
 
     def flush(self) -> str:
@@ -91,9 +95,12 @@ class IncrementalDetokenizer:
         """Append decoded text, check stop strings, return what may be emitted now."""
         if not new_text:
             return ""
-        search_start = max(0, len(self.output_text) - self._max_stop_len + 1)
+        # Without hold-back (below min_tokens) a match may not begin in text already sent.
+        floor = 0 if self._include_stop else self._num_emitted
+        search_start = max(floor, len(self.output_text) - self._max_stop_len + 1)
         self.output_text += new_text
-        if not self._stops:
+        if not self._stops or self._num_output_tokens < self._min_tokens:
+            # As in vLLM, stop strings are not checked until min_tokens tokens exist.
             return self._emit_until(len(self.output_text))
         stop = self._find_stop(search_start)
         if stop is not None:
