@@ -10,7 +10,13 @@ from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from shared.model_files import DEFAULT_MODEL_NAME, ModelNotFoundError, default_model_path
+from shared.model_files import (
+    DEFAULT_MODEL_NAME,
+    ModelNotFoundError,
+    ModelSource,
+    converted_dir,
+    default_model_path,
+)
 from shared.tokenizer import Tokenizer, load_tokenizer
 
 TEMPLATE = (
@@ -79,6 +85,18 @@ def test_chat_template_errors_are_value_errors(tiny: Tokenizer, tmp_path: Path) 
     bare_dir = write_tiny_model_dir(tmp_path / "bare", chat_template=None)
     with pytest.raises(ValueError, match="no chat template"):
         load_tokenizer(str(bare_dir)).apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_gguf_loads_from_its_converted_dir(tmp_path: Path) -> None:
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"not read when a conversion exists")
+    cache = tmp_path / "cache"
+    target = converted_dir(ModelSource("gguf", gguf), str(cache))
+    target.mkdir(parents=True)
+    write_tiny_model_dir(target)
+    tokenizer = load_tokenizer(str(gguf), cache_dir=str(cache))
+    assert tokenizer.encode("hi there") == [3, 4]
+    assert tokenizer.eos_token_ids == [2, 7]  # generation_config.json of the conversion
 
 
 def test_unknown_model_ref(tmp_path: Path) -> None:
