@@ -174,13 +174,23 @@ class Supervisor:
             _send(child, signal.SIGKILL)
         for child in self.children:
             child.proc.wait()
-            logger.info("%s exited with code %s", child.name, child.proc.returncode)
+            logger.info("%s exited (%s)", child.name, describe_exit(child.proc.returncode))
 
     def any_alive(self) -> bool:
         return bool(self._alive())
 
     def _alive(self) -> list[Child]:
         return [c for c in self.children if c.proc.poll() is None]
+
+
+def describe_exit(code: int | None) -> str:
+    """`code 3`, or `signal SIGTERM` for a negative Popen return code."""
+    if code is not None and code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            pass
+    return f"code {code}"
 
 
 def _send(child: Child, sig: signal.Signals) -> None:
@@ -232,9 +242,9 @@ def supervise(
         dead = sup.first_exited()
         if dead is not None:
             logger.error(
-                "%s exited unexpectedly with code %s; stopping the rest",
+                "%s exited unexpectedly (%s); stopping the rest",
                 dead.name,
-                dead.proc.returncode,
+                describe_exit(dead.proc.returncode),
             )
             return 1
         now = time.monotonic()

@@ -256,6 +256,11 @@ def test_stop_kills_what_ignores_sigterm(tmp_path: Path) -> None:
     assert sup.children[0].proc.returncode == -signal.SIGKILL
 
 
+def test_describe_exit() -> None:
+    assert launcher.describe_exit(3) == "code 3"
+    assert launcher.describe_exit(-signal.SIGKILL) == "signal SIGKILL"
+
+
 def test_readiness_timeout_gives_code_1() -> None:
     sup = launcher.Supervisor([_py("api", SLEEPER)])
     sup.start()
