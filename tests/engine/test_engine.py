@@ -23,10 +23,12 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) ->
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model.generation_config.eos_token_id = None  # like ignore_eos (min_new_tokens bans EOS)
     outputs = []
     for prompt in prompts:
-        ids = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
-                             min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+        input_ids = torch.tensor([prompt])
+        ids = model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                             max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
         outputs.append(ids[0, len(prompt):].tolist())
     return outputs
 

@@ -1,0 +1,88 @@
+"""The worker's heartbeat: its record (with KV usage) in Redis, and its arq leases renewed."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from shared.contracts import WorkerRecord
+from shared.keys import Keys
+from worker.engine.engine import EngineStats
+
+logger = logging.getLogger(__name__)
+
+ARQ_IN_PROGRESS_PREFIX = "arq:in-progress:"
+
+
+class Heartbeat:
+    """Every interval: SET the WorkerRecord with a TTL, ZADD the workers index, and extend
+    the arq in-progress leases of this worker's jobs, so a killed worker's jobs become
+    runnable elsewhere within `lease_s` rather than after the whole job timeout."""
+
+    def __init__(self, redis: Redis, keys: Keys, base: WorkerRecord, interval_s: float,
+                 ttl_s: float, stats: Callable[[], EngineStats],
+                 job_ids: Callable[[], list[str]], status: Callable[[], str]) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.base = base
+        self.interval_s = interval_s
+        self.ttl_s = ttl_s
+        self._stats = stats
+        self._job_ids = job_ids
+        self._status = status
+        self._task: asyncio.Task[None] | None = None
+
+    def record(self) -> WorkerRecord:
+        stats = self._stats()
+        return self.base.model_copy(update={
+            "status": self._status(),
+            "kv_blocks_used": stats.num_blocks_used,
+            "kv_blocks_total": stats.num_blocks_total,
+            "kv_bytes_per_block": stats.kv_bytes_per_block,
+            "running": stats.num_running,
+            "waiting": stats.num_waiting,
+            "heartbeat_at": time.time(),
+        })
+
+    async def beat(self) -> None:
+        record = self.record()
+        ttl_ms = int(self.ttl_s * 1000)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.set(self.keys.worker(record.worker_id), record.model_dump_json(), px=ttl_ms)
+            pipe.zadd(self.keys.workers, {record.worker_id: record.heartbeat_at})
+            for job_id in self._job_ids():
+                pipe.pexpire(ARQ_IN_PROGRESS_PREFIX + job_id, ttl_ms)
+            await pipe.execute()
+
+    async def remove(self) -> None:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.delete(self.keys.worker(self.base.worker_id))
+            pipe.zrem(self.keys.workers, self.base.worker_id)
+            await pipe.execute()
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="heartbeat")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.beat()
+            except (RedisError, OSError) as exc:
+                logger.warning("heartbeat failed: %s", exc)
+            await asyncio.sleep(self.interval_s)
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"

@@ -1,0 +1,220 @@
+"""`python -m worker`: one worker process, one model, one engine loop, jobs from arq."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import time
+from typing import Any
+
+from arq import Retry
+from arq.connections import ArqRedis, RedisSettings, create_pool
+from arq.worker import Worker, func
+from prometheus_client import start_http_server
+from redis.exceptions import RedisError
+
+from shared.config import Settings, get_settings
+from shared.contracts import ErrorEvent, JobPayload, WorkerRecord
+from shared.keys import Keys
+from shared.logging import setup_logging
+from shared.metrics import WorkerMetrics
+from shared.queue import RUN_COMPLETION, deserialize_job, serialize_job
+from shared.tokenizer import load_tokenizer
+from worker.engine.config import EngineConfig
+from worker.engine.engine import LLMEngine
+from worker.heartbeat import Heartbeat, default_worker_id
+from worker.metrics import WorkerMetricsRecorder
+from worker.service import HandBack, WorkerService
+
+logger = logging.getLogger("worker")
+
+
+async def run_completion(ctx: dict[str, Any], payload_json: str) -> str:
+    """The arq job: one attempt at one completion job."""
+    service: WorkerService = ctx["service"]
+    payload = JobPayload.model_validate_json(payload_json)
+    try:
+        return await service.run_job(payload, ctx["job_try"])
+    except HandBack:
+        raise Retry(defer=None) from None  # back to the queue, for another worker
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # a bug must end the job with a reason, never lose it
+        logger.exception("job %s failed", payload.id)
+        await service.fail(payload.id, ErrorEvent(
+            status=500, error_type="server_error", message=f"worker error: {exc}"))
+        return "failed"
+
+
+class LadleWorker(Worker):
+    """arq's worker, taking only jobs the engine can start soon and surviving Redis blips."""
+
+    def __init__(self, service: WorkerService, settings: Settings, pool: ArqRedis) -> None:
+        super().__init__(
+            functions=[func(run_completion, name=RUN_COMPLETION,
+                            max_tries=settings.job_max_tries)],
+            queue_name=Keys(settings.key_prefix).queue,
+            redis_pool=pool,
+            max_jobs=settings.max_batch_size + settings.worker_max_queued,
+            job_timeout=settings.job_timeout_s + 30,
+            keep_result=60,
+            poll_delay=0.02,
+            handle_signals=False,
+            job_serializer=serialize_job,
+            job_deserializer=deserialize_job,
+            ctx={"service": service},
+            log_results=False,
+        )
+        # A killed worker's lease runs out after worker_ttl_s (the heartbeat renews it).
+        self.in_progress_timeout_s = settings.worker_ttl_s
+        self.service = service
+
+    async def start_jobs(self, job_ids: list[bytes]) -> None:
+        await super().start_jobs(job_ids[: self.service.admission_capacity()])
+
+    async def _poll_iteration(self) -> None:
+        try:
+            await super()._poll_iteration()
+        except (RedisError, OSError) as exc:
+            logger.warning("queue poll failed (%s); retrying", exc)
+            await asyncio.sleep(1.0)
+
+    async def finish_failed_job(self, job_id: str, result_data: bytes) -> None:
+        """arq gave up on a job without running it (tries exhausted): record why."""
+        await super().finish_failed_job(job_id, result_data)
+        await self.service.fail(job_id, ErrorEvent(
+            status=500, error_type="server_error", code="worker_lost",
+            message=f"the job failed after {self.service.settings.job_max_tries} attempts: "
+                    "its worker was lost each time"))
+
+
+class WorkerProcess:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.keys = Keys(settings.key_prefix)
+        self.worker_id = settings.worker_id or default_worker_id()
+        self._stopping = asyncio.Event()
+
+    async def run(self) -> None:
+        s = self.settings
+        started = time.perf_counter()
+        engine = await asyncio.to_thread(LLMEngine, EngineConfig.from_settings(s))
+        tokenizer = await asyncio.to_thread(load_tokenizer, s.model_name, s.cache_dir)
+        logger.info("engine ready in %.1f s", time.perf_counter() - started)
+        pool = await _connect(s)
+        metrics = WorkerMetrics()
+        recorder = WorkerMetricsRecorder(metrics)
+        service = WorkerService(s, engine, tokenizer, pool, self.worker_id, recorder)
+        service.start()
+        heartbeat = Heartbeat(pool, self.keys, self._record(engine), s.heartbeat_interval_s,
+                              s.worker_ttl_s, stats=lambda: _stats(engine, recorder),
+                              job_ids=lambda: list(service.jobs),
+                              status=lambda: "draining" if service.draining else "ready")
+        heartbeat.start()
+        self._serve_metrics(metrics)
+        worker = LadleWorker(service, s, pool)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            asyncio.get_running_loop().add_signal_handler(sig, self._stopping.set)
+        runner = asyncio.create_task(worker.async_run())
+        logger.info("worker %s ready: model %s on %s", self.worker_id, s.model_id,
+                    engine.executor.device)
+        await self._stopping.wait()
+        await self._drain(service, worker)
+        await heartbeat.stop()
+        await heartbeat.remove()
+        runner.cancel()
+        await asyncio.gather(runner, return_exceptions=True)
+        await worker.close()
+        await service.stop()
+        logger.info("worker %s stopped", self.worker_id)
+
+    async def _drain(self, service: WorkerService, worker: LadleWorker) -> None:
+        """Stop taking jobs; let running ones finish within the timeout; hand back the rest."""
+        service.draining = True
+        worker.allow_pick_jobs = False
+        logger.info("draining %d jobs (up to %.0f s)", len(service.jobs),
+                    self.settings.shutdown_timeout_s)
+        deadline = time.monotonic() + self.settings.shutdown_timeout_s
+        while (service.jobs or service.num_pending) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        handed = service.hand_back_all()
+        if handed:
+            logger.info("handing %d unfinished jobs back to the queue", len(handed))
+        tasks = [t for t in worker.tasks.values() if not t.done()]
+        if tasks:
+            await asyncio.wait(tasks, timeout=10)
+
+    def _record(self, engine: LLMEngine) -> WorkerRecord:
+        stats = engine.stats()
+        return WorkerRecord(
+            worker_id=self.worker_id, host=socket.gethostname(), pid=os.getpid(),
+            model=self.settings.model_id, device=engine.executor.device,
+            dtype=engine.executor.dtype, max_model_len=engine.max_model_len,
+            block_size=stats.block_size, kv_blocks_total=stats.num_blocks_total,
+            kv_bytes_per_block=stats.kv_bytes_per_block,
+        )
+
+    def _serve_metrics(self, metrics: WorkerMetrics) -> None:
+        port = self.settings.worker_metrics_port
+        if not port:
+            return
+        try:
+            start_http_server(port, addr=self.settings.host, registry=metrics.registry)
+            logger.info("worker metrics on http://%s:%d/metrics", self.settings.host, port)
+        except OSError as exc:
+            logger.warning("worker metrics port %d unavailable: %s", port, exc)
+
+
+def _stats(engine: LLMEngine, recorder: WorkerMetricsRecorder):  # noqa: ANN202
+    stats = engine.stats()
+    recorder.observe_stats(stats)
+    return stats
+
+
+async def _connect(settings: Settings) -> ArqRedis:
+    delay = 0.5
+    while True:
+        try:
+            return await create_pool(
+                RedisSettings.from_dsn(settings.redis_url), job_serializer=serialize_job,
+                job_deserializer=deserialize_job,
+                default_queue_name=Keys(settings.key_prefix).queue,
+            )
+        except (RedisError, OSError) as exc:
+            logger.warning("Redis at %s unavailable (%s); retrying", _safe_url(settings), exc)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+
+def _safe_url(settings: Settings) -> str:
+    url = settings.redis_url
+    return url.split("@", 1)[-1] if "@" in url else url
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m worker",
+        description="Run one Ladle worker: loads the model, takes completion jobs from Redis "
+                    "(arq), runs them in the continuous-batching engine and streams tokens "
+                    "back. Settings come from LLM_* environment variables and .env.",
+    )
+    parser.add_argument("--model", help="overrides LLM_MODEL_NAME")
+    parser.add_argument("--redis-url", help="overrides LLM_REDIS_URL")
+    parser.add_argument("--worker-id", help="overrides LLM_WORKER_ID")
+    parser.add_argument("--metrics-port", type=int, help="overrides LLM_WORKER_METRICS_PORT")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    overrides = {k: v for k, v in {
+        "model_name": args.model, "redis_url": args.redis_url, "worker_id": args.worker_id,
+        "worker_metrics_port": args.metrics_port}.items() if v is not None}
+    settings = get_settings().model_copy(update=overrides)
+    setup_logging(settings.log_level)
+    asyncio.run(WorkerProcess(settings).run())
+    return 0

@@ -1,0 +1,264 @@
+"""The worker's asyncio side: runs jobs on the engine thread and publishes their events."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from shared.config import Settings
+from shared.contracts import (
+    ErrorEvent,
+    JobPayload,
+    JobRecord,
+    RestartEvent,
+    StartedEvent,
+)
+from shared.keys import Keys
+from shared.tokenizer import Tokenizer
+from worker.engine.engine import LLMEngine, PreparedRequest, SequenceOutput
+from worker.engine.errors import InvalidRequestError
+from worker.engine.inputs import tokenize_prompt
+from worker.engine.sampling_params import SamplingParams
+from worker.engine_thread import EngineThread
+from worker.job_state import JobState
+from worker.metrics import WorkerMetricsRecorder
+from worker.store import JobStore
+
+logger = logging.getLogger(__name__)
+
+CANCELLED = ErrorEvent(status=409, error_type="cancelled", message="the job was cancelled",
+                       code="job_cancelled")
+
+
+class HandBack(Exception):
+    """The job was not finished here and goes back to the queue (shutdown)."""
+
+
+class WorkerService:
+    def __init__(self, settings: Settings, engine: LLMEngine, tokenizer: Tokenizer,
+                 redis: Redis, worker_id: str,
+                 metrics: WorkerMetricsRecorder | None = None) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.tokenizer = tokenizer  # event-loop thread only; the engine has its own
+        self.redis = redis
+        self.worker_id = worker_id
+        self.keys = Keys(settings.key_prefix)
+        self.store = JobStore(redis, self.keys, settings.job_ttl_s, settings.stream_maxlen)
+        self.jobs: dict[str, JobState] = {}
+        self.num_pending = 0
+        self.draining = False
+        self.loop = asyncio.get_running_loop()
+        self._outputs: asyncio.Queue[list[SequenceOutput]] = asyncio.Queue()
+        self.engine_thread = EngineThread(engine, self._on_outputs, self._on_reject)
+        self._tasks: list[asyncio.Task[None]] = []
+        self.metrics = metrics
+
+    # ---- lifecycle ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.engine_thread.start()
+        self._tasks.append(asyncio.create_task(self._publish_loop(), name="publisher"))
+        self._tasks.append(asyncio.create_task(self._cancel_listener(), name="cancels"))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.to_thread(self.engine_thread.stop)
+
+    def admission_capacity(self) -> int:
+        """How many more jobs to take from the queue now: only what can start soon."""
+        if self.draining:
+            return 0
+        stats = self.engine.stats()
+        waiting = stats.num_waiting + self.num_pending
+        room_in_queue = self.settings.worker_max_queued - waiting
+        room_in_batch = self.settings.max_batch_size + self.settings.worker_max_queued - len(
+            self.jobs) - self.num_pending
+        return max(0, min(room_in_batch, max(room_in_queue, 0)))
+
+    # ---- one job -----------------------------------------------------------------------
+
+    async def run_job(self, payload: JobPayload, attempt: int) -> str:
+        """Run one attempt of a job to its final event; returns the final status."""
+        record = await self.store.get(payload.id)
+        if record is None or record.status in ("completed", "failed", "cancelled"):
+            return "skipped"
+        if await self.store.is_cancelled(payload.id):
+            await self._finish(record, "cancelled", CANCELLED)
+            return "cancelled"
+        self.num_pending += 1
+        try:
+            await self.store.mark_in_progress(record, attempt, self.worker_id)
+            if attempt > 1:
+                reason = "the previous attempt's worker was lost or shut down"
+                await self.store.append_now(payload.id, RestartEvent(attempt=attempt,
+                                                                     reason=reason))
+            prepared = self._prepare(payload)
+        except InvalidRequestError as exc:
+            error = ErrorEvent(status=400, error_type="invalid_request_error",
+                               message=exc.message, param=exc.param, code=exc.code)
+            await self._finish(record, "failed", error)
+            return "failed"
+        finally:
+            self.num_pending -= 1
+        job = JobState.create(payload, attempt, prepared.prompt_token_ids, self.loop)
+        self.jobs[payload.id] = job
+        if self.metrics:
+            self.metrics.observe_job_started(job)
+        await self.store.append_now(payload.id, StartedEvent(
+            worker_id=self.worker_id, prompt_tokens=len(prepared.prompt_token_ids),
+            attempt=attempt))
+        self.engine_thread.add(prepared)
+        return await self._await_outcome(record, job)
+
+    async def _await_outcome(self, record: JobRecord, job: JobState) -> str:
+        job_id = record.id
+        timeout = self.settings.job_timeout_s
+        if job.payload.deadline is not None:
+            timeout = min(timeout, max(job.payload.deadline - time.time(), 0.0))
+        try:
+            outcome = await asyncio.wait_for(asyncio.shield(job.outcome), timeout)
+        except TimeoutError:
+            self.engine_thread.abort(job_id)
+            outcome = "timeout"
+        except (asyncio.CancelledError, HandBack):
+            self.engine_thread.abort(job_id)
+            self.jobs.pop(job_id, None)
+            raise
+        self.jobs.pop(job_id, None)
+        if outcome == "completed":
+            done = job.done_event()
+            record.result = job.result()
+            await self._finish(record, "completed", done)
+            if self.metrics:
+                self.metrics.observe_job_finished(job)
+        elif outcome == "cancelled":
+            await self._finish(record, "cancelled", CANCELLED)
+        elif outcome == "timeout":
+            await self._finish(record, "failed", ErrorEvent(
+                status=504, error_type="timeout", code="deadline_exceeded",
+                message="the job did not finish before its deadline"))
+        else:  # rejected by the engine
+            await self._finish(record, "failed", job.error)
+        return record.status
+
+    def _prepare(self, payload: JobPayload) -> PreparedRequest:
+        param = "messages" if payload.messages is not None else "prompt"
+        prompt_token_ids = tokenize_prompt(self.tokenizer, payload.prompt, payload.messages,
+                                           payload.add_generation_prompt,
+                                           payload.chat_template_kwargs)
+        try:
+            params = SamplingParams(**payload.sampling.model_dump())
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from exc
+        return self.engine.prepare(payload.id, prompt_token_ids, params, payload.priority,
+                                   param_name=param)
+
+    async def _finish(self, record: JobRecord, status: str, event: object) -> None:
+        record.status = status  # type: ignore[assignment]
+        if isinstance(event, ErrorEvent):
+            record.error = event
+        await self.store.finish(record, event)
+
+    async def fail(self, job_id: str, error: ErrorEvent) -> None:
+        """End a job as failed with a reason, unless it already ended."""
+        job = self.jobs.pop(job_id, None)
+        if job is not None:
+            self.engine_thread.abort(job_id)
+        record = await self.store.get(job_id)
+        if record is not None:
+            await self._finish(record, "failed", error)
+
+    def cancel(self, job_id: str) -> None:
+        job = self.jobs.get(job_id)
+        if job is not None and not job.outcome.done():
+            self.engine_thread.abort(job_id)
+            job.outcome.set_result("cancelled")
+
+    def hand_back_all(self) -> list[str]:
+        """Abort every running job so its arq task can re-queue it (shutdown)."""
+        job_ids = [jid for jid, job in self.jobs.items() if not job.outcome.done()]
+        for job_id in job_ids:
+            self.engine_thread.abort(job_id)
+            self.jobs[job_id].outcome.set_exception(HandBack(job_id))
+        return job_ids
+
+    # ---- engine thread -> event loop ---------------------------------------------------
+
+    def _on_outputs(self, outputs: list[SequenceOutput]) -> None:
+        self.loop.call_soon_threadsafe(self._outputs.put_nowait, outputs)
+
+    def _on_reject(self, request_id: str, exc: Exception) -> None:
+        self.loop.call_soon_threadsafe(self._reject, request_id, exc)
+
+    def _reject(self, request_id: str, exc: Exception) -> None:
+        job = self.jobs.get(request_id)
+        if job is None or job.outcome.done():
+            return
+        job.error = ErrorEvent(status=400, error_type="invalid_request_error", message=str(exc))
+        job.outcome.set_result("rejected")
+
+    async def _publish_loop(self) -> None:
+        """One Redis pipeline per batch of engine steps; coalesces steps if Redis lags."""
+        while True:
+            batches = [await self._outputs.get()]
+            while not self._outputs.empty():
+                batches.append(self._outputs.get_nowait())
+            finished = await self._publish(batches)
+            if self.metrics:
+                self.metrics.observe_steps(batches)
+            for job in finished:
+                if not job.outcome.done():
+                    job.outcome.set_result("completed")
+
+    async def _publish(self, batches: list[list[SequenceOutput]]) -> list[JobState]:
+        finished: list[JobState] = []
+        entries: list[tuple[str, object]] = []
+        for outputs in batches:
+            for output in outputs:
+                job = self.jobs.get(output.request_id)
+                if job is None or job.outcome.done():
+                    continue
+                previous_token_at = job.last_token_at
+                entries.append((output.request_id, job.apply(output, self.tokenizer)))
+                if self.metrics:
+                    self.metrics.observe_token(job, previous_token_at)
+                if job.is_finished:
+                    finished.append(job)
+        await self._write_events(entries)
+        return finished
+
+    async def _write_events(self, entries: list[tuple[str, object]]) -> None:
+        """Redis blinking must not drop tokens: retry with backoff until written."""
+        delay = 0.05
+        while True:
+            pipe = self.redis.pipeline(transaction=False)
+            for job_id, event in entries:
+                self.store.append(pipe, job_id, event)
+            try:
+                await pipe.execute()
+                return
+            except (ConnectionError, RedisError) as exc:
+                logger.warning("publishing events failed (%s); retrying in %.2f s", exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    async def _cancel_listener(self) -> None:
+        while True:
+            try:
+                pubsub = self.redis.pubsub()
+                await pubsub.subscribe(self.keys.cancel_channel)
+                async for message in pubsub.listen():
+                    if message.get("type") == "message":
+                        data = message["data"]
+                        self.cancel(data.decode() if isinstance(data, bytes) else data)
+            except RedisError as exc:
+                logger.warning("cancel listener lost Redis (%s); retrying", exc)
+                await asyncio.sleep(1.0)
+
