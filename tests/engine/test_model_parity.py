@@ -115,11 +115,12 @@ def test_mixed_batch_matches_each_sequence_alone(family, loaded, references):
     fresh = make_request("fresh", _prompt(11, seed=11))
     partial = make_request("partial", _prompt(19, seed=19))
     runner.compute_logits(batch.step([batch.chunk(partial, 6)]))
-    chunks = [batch.chunk(r, 1) for r in decoders]
+    single = make_request("single", [42])  # a one-token prompt batches with the decodes
+    chunks = [batch.chunk(r, 1) for r in [single, *decoders]]
     chunks += [batch.chunk(fresh, 11), batch.chunk(partial, 13)]
     mixed = runner.compute_logits(batch.step(chunks))
-    assert mixed.shape == (5, 256)
-    for row, request in enumerate(decoders + [fresh, partial]):
+    assert mixed.shape == (6, 256)
+    for row, request in enumerate([single, *decoders, fresh, partial]):
         alone_runner = _runner(loaded[family])
         alone_batch = ManualBatch(BLOCK_SIZE, list(range(NUM_BLOCKS)))
         alone = make_request("x", request.all_token_ids)

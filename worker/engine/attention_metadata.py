@@ -68,7 +68,7 @@ def build_step_inputs(
     for chunk in chunks:
         start, end = chunk.start_position, chunk.start_position + chunk.num_tokens
         token_start = len(input_ids)
-        if chunk.num_tokens == 1 and token_start == num_decode and start > 0:
+        if chunk.num_tokens == 1 and token_start == num_decode:
             num_decode += 1
         else:
             prefills.append(_prefill_meta(chunk, token_start, block_size, device))

@@ -53,10 +53,13 @@ class PagedAttention(nn.Module):
         num_seqs = tables.shape[0]
         k = self.k_cache[tables].view(num_seqs, -1, self.num_kv_heads, self.head_dim)
         v = self.v_cache[tables].view(num_seqs, -1, self.num_kv_heads, self.head_dim)
-        out = self._sdpa(
-            q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=meta.decode_mask
+        # The query heads sharing a KV head become that head's query rows: same maths as GQA
+        # with one query token, and much faster on CPU than enable_gqa (6x in bfloat16).
+        q = q.view(num_seqs, self.num_kv_heads, -1, self.head_dim)
+        out = F.scaled_dot_product_attention(
+            q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=meta.decode_mask, scale=self.scale
         )
-        return out.squeeze(2)
+        return out.reshape(num_seqs, self.num_heads, self.head_dim)
 
     def _prefill(
         self,
