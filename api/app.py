@@ -1,0 +1,105 @@
+"""The FastAPI application factory."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from arq.connections import ArqRedis
+from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
+from redis.asyncio import ConnectionPool
+
+from api import routes_jobs, routes_openai, routes_ops
+from api.errors import install_error_handlers
+from api.jobs import JobStore
+from api.middleware import BodyLimitMiddleware, RequestContextMiddleware
+from api.prompting import TokenizerHolder
+from api.relay import Relay
+from api.services import Services
+from api.workers import WorkerDirectory
+from shared.config import Settings, get_settings
+from shared.keys import Keys
+from shared.metrics import ApiMetrics
+from shared.queue import deserialize_job, serialize_job
+
+
+def make_redis(settings: Settings, keys: Keys) -> ArqRedis:
+    """An arq-capable client that does not connect yet (arq's `create_pool` pings at once,
+    which would stop the API from starting, and answering 503, while Redis is down)."""
+    pool = ConnectionPool.from_url(
+        settings.redis_url,
+        socket_connect_timeout=2.0,
+        health_check_interval=30,
+    )
+    return ArqRedis(
+        pool,
+        job_serializer=serialize_job,
+        job_deserializer=deserialize_job,
+        default_queue_name=keys.queue,
+    )
+
+
+def build_services(
+    settings: Settings,
+    redis: ArqRedis | None = None,
+    tokenizer_loader: Callable[[Settings], Any] | None = None,
+) -> Services:
+    keys = Keys(settings.key_prefix)
+    redis = redis if redis is not None else make_redis(settings, keys)
+    return Services(
+        settings=settings,
+        keys=keys,
+        redis=redis,
+        relay=Relay(redis, keys),
+        jobs=JobStore(redis, keys, settings),
+        workers=WorkerDirectory(redis, keys, settings.worker_ttl_s),
+        tokenizer=TokenizerHolder(settings, tokenizer_loader),
+        metrics=ApiMetrics(),
+    )
+
+
+def create_app(
+    settings: Settings | None = None,
+    *,
+    redis: ArqRedis | None = None,
+    tokenizer_loader: Callable[[Settings], Any] | None = None,
+) -> FastAPI:
+    """Build the app. Nothing connects until the first request (or startup, under uvicorn).
+
+    `redis` and `tokenizer_loader` are for tests; by default they come from `settings`.
+    """
+    settings = settings or get_settings()
+    services = build_services(settings, redis, tokenizer_loader)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        services.tokenizer.preload()
+        services.relay.start()
+        yield
+        await services.relay.stop()
+        await services.jobs.drain()
+        await services.redis.aclose()
+
+    app = FastAPI(
+        title="Ladle",
+        version="0.1.0",
+        lifespan=lifespan,
+        description="OpenAI-compatible LLM inference over a Redis job queue.",
+    )
+    app.state.services = services
+    install_error_handlers(app)
+    for module in (routes_openai, routes_jobs, routes_ops):
+        app.include_router(module.router)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes)
+    if settings.cors_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.cors_origins,
+            allow_methods=["*"],
+            allow_headers=["*"],
+            expose_headers=["X-Request-Id", "X-Job-Id"],
+        )
+    app.add_middleware(RequestContextMiddleware, metrics=services.metrics)
+    return app

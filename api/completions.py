@@ -1,0 +1,231 @@
+"""One OpenAI request end to end: validate, enqueue, wait for the first event before headers,
+then answer with a JSON object or an SSE stream; cancel the job if the client goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from api.errors import APIError, error_body, validation_error
+from api.formatting import Accumulator, ResponseContext, build_response, sse_data
+from api.jobs import new_job_id
+from api.prompting import build_payload, check_context, check_limits, prompt_token_ids
+from api.protocol import URL_TO_ENDPOINT, ChatCompletionRequest, OpenAIRequest
+from api.relay import Subscription
+from api.services import Services
+from api.streaming import StreamInconsistent, StreamTranslator
+from shared.contracts import DoneEvent, ErrorEvent, JobPayload, StreamEvent
+from shared.logging import job_id_var, request_id_var
+
+log = logging.getLogger(__name__)
+M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
+_CONTENT_EVENTS = frozenset({"delta", "done", "error"})
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+async def parse_body(request: Request, model: type[M]) -> M:
+    """Validate the raw body ourselves, so every failure is a 400 in OpenAI's shape."""
+    try:
+        return model.model_validate_json(await request.body())
+    except ValidationError as exc:
+        raise validation_error(exc) from exc
+
+
+def parse_dict(body: dict[str, Any], model: type[M]) -> M:
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise validation_error(exc) from exc
+
+
+async def prepare_job(
+    services: Services, body: OpenAIRequest, *, api_key_id: str | None, deadline_s: float | None
+) -> JobPayload:
+    """Limits, model, prompt length: everything checked before a job exists."""
+    check_limits(body, services.settings)
+    model, max_model_len = await services.workers.resolve(body.model, services.settings.model_id)
+    tokenizer = await services.tokenizer.get()
+    prompt_ids = await prompt_token_ids(tokenizer, body)
+    param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+    max_tokens = check_context(len(prompt_ids), body.max_tokens, max_model_len, param)
+    return build_payload(
+        body,
+        job_id=new_job_id(),
+        model=model,
+        max_tokens=max_tokens,
+        deadline_s=deadline_s,
+        request_id=request_id_var.get(),
+        api_key_id=api_key_id,
+    )
+
+
+async def echo_text(services: Services, payload: JobPayload) -> str | None:
+    """The prompt text that `echo` puts in front of a completion (the API does the echo)."""
+    if payload.endpoint != "completions" or not payload.echo:
+        return None
+    if isinstance(payload.prompt, str):
+        return payload.prompt
+    tokenizer = await services.tokenizer.get()
+    return await asyncio.to_thread(tokenizer.decode, payload.prompt or [])
+
+
+async def response_context(
+    services: Services, payload: JobPayload, stream: bool
+) -> ResponseContext:
+    return ResponseContext(
+        endpoint=payload.endpoint,
+        job_id=payload.id,
+        model=payload.model,
+        created=int(payload.created),
+        n=payload.sampling.n,
+        echo_text=await echo_text(services, payload),
+        include_usage=stream,
+    )
+
+
+async def complete(
+    request: Request, services: Services, body: OpenAIRequest, api_key_id: str | None
+) -> Response:
+    """Serve `/v1/completions` or `/v1/chat/completions`."""
+    settings = services.settings
+    payload = await prepare_job(
+        services, body, api_key_id=api_key_id, deadline_s=settings.request_timeout_s
+    )
+    job_id_var.set(payload.id)
+    deadline = time.monotonic() + settings.request_timeout_s
+    url = next(u for u, e in URL_TO_ENDPOINT.items() if e == payload.endpoint)
+    ctx = await response_context(services, payload, body.include_usage())
+    sub = services.relay.subscribe(payload.id)
+    handed_over = False
+    try:
+        await services.jobs.submit(payload, url)
+        first = await _race(request, _first_content(sub, settings.first_event_timeout_s), deadline)
+        if isinstance(first[-1], ErrorEvent):
+            raise APIError.from_event(first[-1])
+        headers = {"X-Job-Id": payload.id}
+        if body.stream:
+            handed_over = True
+            stream = _sse(services, sub, ctx, first, deadline)
+            return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
+        acc = Accumulator()
+        for event in first:
+            acc.add(event)
+        await _race(request, _collect(sub, acc), deadline)
+        if acc.error is not None:
+            raise APIError.from_event(acc.error)
+        assert acc.done is not None
+        observe_done(services, acc.done)
+        result = build_response(ctx, acc.result(payload.sampling.n), acc.done.usage)
+        return JSONResponse(result, headers=headers)
+    except TimeoutError as exc:
+        services.jobs.cancel_soon(payload.id)
+        raise APIError(504, "The request timed out", code="timeout") from exc
+    except ClientDisconnected:
+        log.info("client disconnected; cancelling job")
+        services.jobs.cancel_soon(payload.id)
+        return Response(status_code=499)
+    finally:
+        if not handed_over:
+            services.relay.unsubscribe(sub)
+
+
+async def _first_content(sub: Subscription, first_event_timeout_s: float) -> list[StreamEvent]:
+    """Events up to the first delta/done/error (`started`/`restart` come before it)."""
+    events: list[StreamEvent] = []
+    timeout: float | None = first_event_timeout_s
+    while not events or events[-1].type not in _CONTENT_EVENTS:
+        _, event = await sub.next(timeout)
+        events.append(event)
+        timeout = None
+    return events
+
+
+async def _collect(sub: Subscription, acc: Accumulator) -> None:
+    while acc.done is None and acc.error is None:
+        _, event = await sub.next(None)
+        acc.add(event)
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _race(request: Request, work: Awaitable[T], deadline: float) -> T:
+    """`work`, unless the client disconnects (ClientDisconnected) or time runs out."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        timeout = max(0.0, deadline - time.monotonic())
+        done, _ = await asyncio.wait(
+            {task, watch}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+        )
+    finally:
+        watch.cancel()
+        task.cancel()
+    if task in done:
+        return task.result()
+    if watch in done:
+        raise ClientDisconnected
+    raise TimeoutError
+
+
+def observe_done(services: Services, done: DoneEvent) -> None:
+    metrics, t = services.metrics, done.timings
+    metrics.prompt_tokens.inc(done.usage.prompt_tokens)
+    metrics.generation_tokens.inc(done.usage.completion_tokens)
+    if t.queued_at and t.started_at:
+        metrics.queue_time.observe(max(0.0, t.started_at - t.queued_at))
+    if t.queued_at and t.first_token_at:
+        metrics.time_to_first_token.observe(max(0.0, t.first_token_at - t.queued_at))
+    if t.queued_at and t.finished_at:
+        metrics.e2e_latency.observe(max(0.0, t.finished_at - t.queued_at))
+
+
+async def _sse(
+    services: Services,
+    sub: Subscription,
+    ctx: ResponseContext,
+    first: list[StreamEvent],
+    deadline: float,
+) -> AsyncIterator[str]:
+    """The SSE body; runs after the headers went out. Cancels the job unless it ended."""
+    translator = StreamTranslator(ctx)
+    try:
+        for chunk in translator.start():
+            yield sse_data(chunk)
+        pending = list(first)
+        while not translator.is_terminal:
+            event = pending.pop(0) if pending else await _next_event(sub, deadline)
+            for chunk in translator.on_event(event):
+                yield sse_data(chunk)
+        if translator.error is not None:
+            yield sse_data(APIError.from_event(translator.error).body())
+        elif translator.done is not None:
+            observe_done(services, translator.done)
+        yield sse_data("[DONE]")
+    except (TimeoutError, StreamInconsistent) as exc:
+        status = 504 if isinstance(exc, TimeoutError) else 500
+        message = "The request timed out" if status == 504 else str(exc)
+        yield sse_data(error_body(message, "timeout_error" if status == 504 else "server_error"))
+        yield sse_data("[DONE]")
+    finally:
+        services.relay.unsubscribe(sub)
+        if not translator.is_terminal:
+            services.jobs.cancel_soon(ctx.job_id)
+
+
+async def _next_event(sub: Subscription, deadline: float) -> StreamEvent:
+    _, event = await sub.next(max(0.0, deadline - time.monotonic()))
+    return event

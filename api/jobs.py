@@ -1,0 +1,182 @@
+"""The API's Redis side of a job: admission (queue depth, per-key limit), enqueue with arq,
+records, and cancellation (compare-and-set for a job still queued)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Coroutine
+from typing import Any
+
+from arq.connections import ArqRedis
+from arq.constants import job_key_prefix
+
+from api.errors import APIError
+from shared.config import Settings
+from shared.contracts import FINAL_STATUSES, ErrorEvent, JobPayload, JobRecord, encode_event
+from shared.keys import Keys
+from shared.queue import RUN_COMPLETION
+
+log = logging.getLogger(__name__)
+
+# Marks a job cancelled only while its record still says queued: a worker that took it in
+# the meantime owns it from then on. Records are pydantic JSON (no spaces), so the status test
+# is a plain substring match (quotes inside strings are escaped and cannot match).
+_CANCEL_QUEUED = """
+local current = redis.call('GET', KEYS[1])
+if not current or not string.find(current, '"status":"queued"', 1, true) then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[3])
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'data', ARGV[2])
+redis.call('EXPIRE', KEYS[2], ARGV[3])
+if KEYS[3] ~= '' then redis.call('SREM', KEYS[3], ARGV[5]) end
+redis.call('ZREM', KEYS[4], ARGV[5])
+redis.call('DEL', KEYS[5])
+return 1
+"""
+# A queued record must outlive its wait in the queue (arq's own job expiry is one day).
+QUEUED_TTL_S = 86_400
+
+
+def new_job_id() -> str:
+    """Unguessable: the id is the only secret needed to read a job when keys are off."""
+    return "job-" + secrets.token_urlsafe(16)
+
+
+def cancelled_event() -> ErrorEvent:
+    return ErrorEvent(
+        status=409, error_type="cancelled", message="The job was cancelled", code="job_cancelled"
+    )
+
+
+class JobStore:
+    """Submit, read and cancel jobs."""
+
+    def __init__(self, redis: ArqRedis, keys: Keys, settings: Settings) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.settings = settings
+        self._cancel_queued = redis.register_script(_CANCEL_QUEUED)
+        self._background: set[asyncio.Task] = set()
+
+    async def queue_depth(self) -> int:
+        return int(await self.redis.zcard(self.keys.queue))
+
+    async def submit(self, payload: JobPayload, url: str) -> JobRecord:
+        """Admit and enqueue; 429 (with Retry-After) when the queue or the key is full."""
+        if await self.queue_depth() >= self.settings.max_queue_depth:
+            raise APIError(
+                429,
+                "The queue is full; retry later",
+                code="queue_full",
+                headers={"Retry-After": "2"},
+            )
+        if payload.api_key_id:
+            await self._admit_key(payload.api_key_id, payload.id)
+        record = JobRecord(
+            id=payload.id,
+            url=url,
+            model=payload.model,
+            api_key_id=payload.api_key_id,
+            request_id=payload.request_id,
+            created_at=payload.created,
+        )
+        ttl = QUEUED_TTL_S + self.settings.job_ttl_s
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.set(self.keys.job(payload.id), record.model_dump_json(), ex=ttl)
+            pipe.set(self.keys.payload(payload.id), payload.model_dump_json(), ex=ttl)
+            await pipe.execute()
+        job = await self.redis.enqueue_job(
+            RUN_COMPLETION,
+            payload.model_dump_json(),
+            _job_id=payload.id,
+            _queue_name=self.keys.queue,
+        )
+        if job is None:
+            raise APIError(500, "Job id collision", error_type="server_error")
+        return record
+
+    async def _admit_key(self, key_id: str, job_id: str) -> None:
+        key = self.keys.key_jobs(key_id)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.sadd(key, job_id)
+            pipe.scard(key)
+            pipe.expire(key, QUEUED_TTL_S)
+            _, count, _ = await pipe.execute()
+        if count > self.settings.per_key_max_concurrent_jobs:
+            await self.redis.srem(key, job_id)
+            raise APIError(
+                429,
+                f"Too many unfinished jobs for this API key "
+                f"(limit {self.settings.per_key_max_concurrent_jobs})",
+                code="too_many_jobs",
+                headers={"Retry-After": "1"},
+            )
+
+    async def get(self, job_id: str) -> JobRecord | None:
+        raw = await self.redis.get(self.keys.job(job_id))
+        return JobRecord.model_validate_json(raw) if raw else None
+
+    async def get_owned(self, job_id: str, api_key_id: str | None) -> JobRecord:
+        """The record, or 404 when it does not exist or belongs to another key."""
+        record = await self.get(job_id)
+        if record is None or record.api_key_id != api_key_id:
+            raise APIError(404, f"No job with id '{job_id}'", param="job_id", code="job_not_found")
+        return record
+
+    async def payload(self, job_id: str) -> JobPayload | None:
+        raw = await self.redis.get(self.keys.payload(job_id))
+        return JobPayload.model_validate_json(raw) if raw else None
+
+    async def cancel(self, job_id: str) -> JobRecord | None:
+        """Cancel: a queued job is finalised here; a running one is told to stop."""
+        ttl = self.settings.job_ttl_s
+        await self.redis.set(self.keys.cancelled(job_id), "1", ex=QUEUED_TTL_S + ttl)
+        record = await self.get(job_id)
+        if record is None or record.status in FINAL_STATUSES:
+            return record
+        if record.status == "queued" and await self._try_cancel_queued(record):
+            return record
+        await self.redis.publish(self.keys.cancel_channel, job_id)
+        return await self.get(job_id)
+
+    async def _try_cancel_queued(self, record: JobRecord) -> bool:
+        event = cancelled_event()
+        record.status, record.error, record.finished_at = "cancelled", event, time.time()
+        key_jobs = self.keys.key_jobs(record.api_key_id) if record.api_key_id else ""
+        done = await self._cancel_queued(
+            keys=[
+                self.keys.job(record.id),
+                self.keys.stream(record.id),
+                key_jobs,
+                self.keys.queue,
+                job_key_prefix + record.id,
+            ],
+            args=[
+                record.model_dump_json(),
+                encode_event(event),
+                self.settings.job_ttl_s,
+                self.settings.stream_maxlen,
+                record.id,
+            ],
+        )
+        return bool(done)
+
+    def cancel_soon(self, job_id: str) -> None:
+        """Cancel from a place that may itself be cancelled (a disconnected client)."""
+        self.spawn(self.cancel(job_id))
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("background job operation failed", extra={"error": repr(task.exception())})
+
+    async def drain(self) -> None:
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=5)

@@ -1,0 +1,128 @@
+"""The job API, shaped like one line of OpenAI's Batch API: submit, poll, events, cancel."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Depends, Header, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from api.auth import require_api_key
+from api.completions import parse_body, parse_dict, prepare_job, response_context
+from api.errors import APIError
+from api.formatting import build_response, usage_dict
+from api.protocol import ChatCompletionRequest, CompletionRequest, JobCreateRequest
+from api.relay import parse_entry_id
+from api.services import Services, get_services
+from shared.contracts import FINAL_STATUSES, TERMINAL_EVENT_TYPES, JobRecord, encode_event
+from shared.logging import job_id_var
+
+router = APIRouter(dependencies=[Depends(require_api_key)])
+_IDLE_CHECK_S = 2.0
+
+
+async def job_object(services: Services, record: JobRecord) -> dict[str, Any]:
+    """`GET /v1/jobs/{id}`: the record, with the OpenAI response or error when final."""
+    obj: dict[str, Any] = {
+        "id": record.id,
+        "object": "job",
+        "url": record.url,
+        "model": record.model,
+        "status": record.status,
+        "created_at": record.created_at,
+        "started_at": record.started_at,
+        "finished_at": record.finished_at,
+        "attempts": record.attempts,
+        "worker_id": record.worker_id,
+        "request_id": record.request_id,
+        "usage": None,
+        "timings": None,
+        "response": None,
+        "error": None,
+    }
+    if record.result is not None:
+        obj["usage"] = usage_dict(record.result.usage)
+        obj["timings"] = record.result.timings.model_dump()
+        payload = await services.jobs.payload(record.id)
+        if payload is not None:
+            ctx = await response_context(services, payload, include_usage=False)
+            obj["response"] = build_response(ctx, record.result.choices, record.result.usage)
+    if record.error is not None:
+        obj["error"] = APIError.from_event(record.error).body()["error"]
+        obj["error"]["status"] = record.error.status
+    return obj
+
+
+@router.post("/v1/jobs", status_code=202)
+async def create_job(
+    request: Request,
+    api_key_id: str | None = Depends(require_api_key),
+    services: Services = Depends(get_services),
+) -> JSONResponse:
+    envelope = await parse_body(request, JobCreateRequest)
+    model = CompletionRequest if envelope.url == "/v1/completions" else ChatCompletionRequest
+    body = parse_dict({**envelope.body, "stream": False}, model)  # jobs are polled
+    payload = await prepare_job(services, body, api_key_id=api_key_id, deadline_s=None)
+    job_id_var.set(payload.id)
+    record = await services.jobs.submit(payload, envelope.url)
+    return JSONResponse(await job_object(services, record), status_code=202)
+
+
+@router.get("/v1/jobs/{job_id}")
+async def get_job(
+    job_id: str,
+    api_key_id: str | None = Depends(require_api_key),
+    services: Services = Depends(get_services),
+) -> dict:
+    return await job_object(services, await services.jobs.get_owned(job_id, api_key_id))
+
+
+@router.delete("/v1/jobs/{job_id}")
+async def cancel_job(
+    job_id: str,
+    api_key_id: str | None = Depends(require_api_key),
+    services: Services = Depends(get_services),
+) -> dict:
+    await services.jobs.get_owned(job_id, api_key_id)
+    record = await services.jobs.cancel(job_id)
+    if record is None:
+        raise APIError(404, f"No job with id '{job_id}'", param="job_id", code="job_not_found")
+    return await job_object(services, record)
+
+
+@router.get("/v1/jobs/{job_id}/events")
+async def job_events(
+    job_id: str,
+    api_key_id: str | None = Depends(require_api_key),
+    services: Services = Depends(get_services),
+    last_event_id: str | None = Header(None),
+) -> StreamingResponse:
+    """Every event as SSE (`id:` = stream entry id), from the start or after Last-Event-ID."""
+    start = (last_event_id or "0-0").strip()
+    try:
+        parse_entry_id(start)
+    except ValueError as exc:
+        raise APIError(400, "Malformed Last-Event-ID header", param="Last-Event-ID") from exc
+    await services.jobs.get_owned(job_id, api_key_id)
+    return StreamingResponse(_events(services, job_id, start), media_type="text/event-stream")
+
+
+async def _events(services: Services, job_id: str, start: str) -> AsyncIterator[str]:
+    sub = services.relay.subscribe(job_id, start)
+    try:
+        while True:
+            try:
+                entry_id, event = await sub.next(_IDLE_CHECK_S)
+            except TimeoutError:
+                # Nothing new: the job may have ended before `start`, or expired.
+                record = await services.jobs.get(job_id)
+                if record is None or record.status in FINAL_STATUSES:
+                    return
+                yield ": keep-alive\n\n"
+                continue
+            yield f"id: {entry_id}\nevent: {event.type}\ndata: {encode_event(event)}\n\n"
+            if event.type in TERMINAL_EVENT_TYPES:
+                return
+    finally:
+        services.relay.unsubscribe(sub)

@@ -1,0 +1,105 @@
+"""The OpenAI surface: completions, chat completions, models, tokenize/detokenize."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+
+from api.auth import require_api_key
+from api.completions import complete, parse_body
+from api.errors import APIError
+from api.prompting import prompt_token_ids
+from api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from api.services import Services, get_services
+
+router = APIRouter()
+
+
+@router.post("/v1/completions")
+async def completions(
+    request: Request,
+    api_key_id: str | None = Depends(require_api_key),
+    services: Services = Depends(get_services),
+) -> Response:
+    body = await parse_body(request, CompletionRequest)
+    return await complete(request, services, body, api_key_id)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(
+    request: Request,
+    api_key_id: str | None = Depends(require_api_key),
+    services: Services = Depends(get_services),
+) -> Response:
+    body = await parse_body(request, ChatCompletionRequest)
+    return await complete(request, services, body, api_key_id)
+
+
+@router.get("/v1/models", dependencies=[Depends(require_api_key)])
+async def models(services: Services = Depends(get_services)) -> dict:
+    served = await services.workers.models()
+    data = [
+        {
+            "id": name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "ladle",
+            "root": name,
+            "max_model_len": max_model_len,
+        }
+        for name, max_model_len in sorted(served.items())
+    ]
+    return {"object": "list", "data": data}
+
+
+async def _model_len(services: Services, requested: str | None) -> int | None:
+    """max_model_len for tokenize; works without workers for the configured model."""
+    served = await services.workers.models()
+    name = requested or services.settings.model_id
+    if name in served:
+        return served[name]
+    if served or name != services.settings.model_id:
+        raise APIError(
+            404,
+            f"The model `{name}` does not exist.",
+            param="model",
+            error_type="invalid_request_error",
+            code="model_not_found",
+        )
+    return services.settings.max_model_len
+
+
+@router.post("/tokenize", dependencies=[Depends(require_api_key)])
+async def tokenize(request: Request, services: Services = Depends(get_services)) -> dict:
+    body = await parse_body(request, TokenizeRequest)
+    max_model_len = await _model_len(services, body.model)
+    tokenizer = await services.tokenizer.get()
+    if body.messages is not None:
+        chat = ChatCompletionRequest(
+            messages=body.messages, add_generation_prompt=body.add_generation_prompt
+        )
+        tokens = await prompt_token_ids(tokenizer, chat)
+    else:
+        tokens = await asyncio.to_thread(
+            tokenizer.encode, body.prompt or "", add_special_tokens=body.add_special_tokens
+        )
+    return {"tokens": tokens, "count": len(tokens), "max_model_len": max_model_len}
+
+
+@router.post("/detokenize", dependencies=[Depends(require_api_key)])
+async def detokenize(request: Request, services: Services = Depends(get_services)) -> dict:
+    body = await parse_body(request, DetokenizeRequest)
+    await _model_len(services, body.model)
+    tokenizer = await services.tokenizer.get()
+    try:
+        text = await asyncio.to_thread(tokenizer.decode, body.tokens)
+    except (ValueError, OverflowError, TypeError) as exc:
+        raise APIError(400, f"Cannot decode tokens: {exc}", param="tokens") from exc
+    return {"prompt": text}

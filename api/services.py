@@ -1,0 +1,32 @@
+"""The per-process objects every route uses, kept on `app.state.services`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from arq.connections import ArqRedis
+from fastapi import Request
+
+from api.jobs import JobStore
+from api.prompting import TokenizerHolder
+from api.relay import Relay
+from api.workers import WorkerDirectory
+from shared.config import Settings
+from shared.keys import Keys
+from shared.metrics import ApiMetrics
+
+
+@dataclass
+class Services:
+    settings: Settings
+    keys: Keys
+    redis: ArqRedis
+    relay: Relay
+    jobs: JobStore
+    workers: WorkerDirectory
+    tokenizer: TokenizerHolder
+    metrics: ApiMetrics
+
+
+def get_services(request: Request) -> Services:
+    return request.app.state.services

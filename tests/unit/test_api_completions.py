@@ -1,0 +1,198 @@
+"""Completions and chat completions through the API with a scripted worker."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.unit.api_harness import harness, sse_payloads
+from tests.unit.fake_worker import TOKENIZER, delta, error_script
+
+pytestmark = pytest.mark.redis
+
+
+async def test_completion_non_stream() -> None:
+    async with harness() as h:
+        r = await h.client.post(
+            "/v1/completions", json={"model": "test-model", "prompt": "Hello", "seed": 7}
+        )
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["object"] == "text_completion"
+        assert body["id"].startswith("job-") and r.headers["x-job-id"] == body["id"]
+        assert body["choices"] == [
+            {"index": 0, "finish_reason": "stop", "logprobs": None, "text": "Hi 0!"}
+        ]
+        assert body["usage"]["completion_tokens"] == 5
+        payload = h.worker.payloads[0]
+        assert payload.prompt == "Hello" and payload.endpoint == "completions"
+        assert payload.sampling.seed == 7 and payload.sampling.max_tokens == 16
+
+
+async def test_chat_non_stream_n2_and_random_seed() -> None:
+    async with harness() as h:
+        messages = [
+            {"role": "system", "content": "Be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+        ]
+        r = await h.client.post(
+            "/v1/chat/completions", json={"model": "test-model", "messages": messages, "n": 2}
+        )
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["object"] == "chat.completion"
+        assert [c["message"] for c in body["choices"]] == [
+            {"role": "assistant", "content": "Hi 0!"},
+            {"role": "assistant", "content": "Hi 1!"},
+        ]
+        payload = h.worker.payloads[0]
+        assert payload.messages == [
+            {"role": "system", "content": "Be brief"},
+            {"role": "user", "content": "Hi"},
+        ]
+        assert payload.sampling.seed is not None
+        prompt_len = len(TOKENIZER.apply_chat_template(payload.messages))
+        assert payload.sampling.max_tokens == 64 - prompt_len  # default: what fits
+
+
+async def test_chat_stream_with_usage() -> None:
+    async with harness() as h:
+        r = await h.client.post(
+            "/v1/chat/completions",
+            json={
+                "model": "test-model",
+                "messages": [{"role": "user", "content": "Hi"}],
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        )
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        chunks = sse_payloads(r.text)
+        assert chunks[-1] == "[DONE]"
+        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[1:-2])
+        assert text == "Hi 0!"
+        assert chunks[-3]["choices"][0]["finish_reason"] == "stop"
+        usage = chunks[-2]
+        assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 5
+        assert all(c["usage"] is None for c in chunks[:-2])
+
+
+async def test_completion_stream_n2_logprobs() -> None:
+    async with harness() as h:
+        r = await h.client.post(
+            "/v1/completions",
+            json={"model": "test-model", "prompt": "Hello", "stream": True, "n": 2, "logprobs": 2},
+        )
+        chunks = sse_payloads(r.text)
+        assert chunks[-1] == "[DONE]" and "usage" not in chunks[0]
+        by_index: dict[int, str] = {0: "", 1: ""}
+        for c in chunks[:-1]:
+            by_index[c["choices"][0]["index"]] += c["choices"][0]["text"]
+        assert by_index == {0: "Hi 0!", 1: "Hi 1!"}
+        first = chunks[0]["choices"][0]["logprobs"]
+        assert first == {
+            "tokens": ["H"],
+            "token_logprobs": [-0.5],
+            "top_logprobs": [{"H": -0.5, "I": -1.5}],
+            "text_offset": [0],
+        }
+        second_0 = [c for c in chunks[:-1] if c["choices"][0]["index"] == 0][1]
+        assert second_0["choices"][0]["logprobs"]["text_offset"] == [1]
+
+
+async def test_chat_logprobs_non_stream() -> None:
+    async with harness() as h:
+        r = await h.client.post(
+            "/v1/chat/completions",
+            json={
+                "messages": [{"role": "user", "content": "Hi"}],
+                "logprobs": True,
+                "top_logprobs": 1,
+            },
+        )
+        content = r.json()["choices"][0]["logprobs"]["content"]
+        assert len(content) == 5
+        assert content[0] == {
+            "token": "H",
+            "logprob": -0.5,
+            "bytes": None,
+            "top_logprobs": [{"token": "H", "logprob": -0.5, "bytes": None}],
+        }
+        assert h.worker.payloads[0].sampling.logprobs == 1
+
+
+async def test_echo_completion() -> None:
+    async with harness() as h:
+        r = await h.client.post("/v1/completions", json={"prompt": [72, 0 + 108], "echo": True})
+        # token ids 72, 108 decode to bytes 69 ('E'), 105 ('i') in the fake tokenizer
+        assert r.json()["choices"][0]["text"] == "Ei" + "Hi 0!"
+
+
+async def test_worker_error_becomes_http_status() -> None:
+    script = error_script(
+        400, "This model's maximum context length is 64 tokens.", "context_length_exceeded"
+    )
+    async with harness(script) as h:
+        for stream in (False, True):
+            r = await h.client.post("/v1/completions", json={"prompt": "x", "stream": stream})
+            assert r.status_code == 400
+            assert r.json()["error"]["code"] == "context_length_exceeded"
+
+
+async def test_context_length_checked_by_api() -> None:
+    async with harness() as h:
+        r = await h.client.post("/v1/completions", json={"prompt": "a" * 70})
+        assert r.status_code == 400
+        error = r.json()["error"]
+        assert error["code"] == "context_length_exceeded" and error["param"] == "prompt"
+        assert error["message"].startswith("This model's maximum context length is 64 tokens.")
+        r = await h.client.post("/v1/completions", json={"prompt": "a" * 40, "max_tokens": 30})
+        assert r.status_code == 400
+        assert (
+            "you requested 71 tokens (41 in the prompt, 30 in the completion)"
+            in (r.json()["error"]["message"])
+        )
+        r = await h.client.post(
+            "/v1/chat/completions", json={"messages": [{"role": "tool", "content": "x"}]}
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+        assert h.worker.payloads == []
+
+
+def _restart_script(diverge: bool):
+    from shared.contracts import ChoiceEnd, DoneEvent, RestartEvent, StartedEvent, Usage
+
+    def script(payload):
+        again = [delta(0, "H"), delta(0, "X" if diverge else "i"), delta(0, "!")]
+        return [
+            StartedEvent(worker_id="w", prompt_tokens=2),
+            delta(0, "H"),
+            delta(0, "i"),
+            RestartEvent(attempt=2, reason="worker lost"),
+            StartedEvent(worker_id="w2", prompt_tokens=2, attempt=2),
+            *again,
+            DoneEvent(
+                choices=[ChoiceEnd(index=0, finish_reason="length")],
+                usage=Usage(prompt_tokens=2, completion_tokens=3, total_tokens=5),
+            ),
+        ]
+
+    return script
+
+
+async def test_restart_is_deduplicated() -> None:
+    async with harness(_restart_script(diverge=False)) as h:
+        r = await h.client.post("/v1/completions", json={"prompt": "x"})
+        assert r.json()["choices"][0]["text"] == "Hi!"
+        r = await h.client.post("/v1/completions", json={"prompt": "x", "stream": True})
+        chunks = sse_payloads(r.text)
+        assert [c["choices"][0]["text"] for c in chunks[:-1]] == ["H", "i", "!", ""]
+        assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+
+
+async def test_restart_divergence_ends_stream_with_error() -> None:
+    async with harness(_restart_script(diverge=True)) as h:
+        r = await h.client.post("/v1/completions", json={"prompt": "x", "stream": True})
+        chunks = sse_payloads(r.text)
+        assert [c["choices"][0]["text"] for c in chunks[:2]] == ["H", "i"]
+        assert "diverged" in chunks[2]["error"]["message"] and chunks[3] == "[DONE]"
