@@ -81,7 +81,7 @@ async def echo_text(services: Services, payload: JobPayload) -> str | None:
 
 
 async def response_context(
-    services: Services, payload: JobPayload, stream: bool
+    services: Services, payload: JobPayload, include_usage: bool
 ) -> ResponseContext:
     return ResponseContext(
         endpoint=payload.endpoint,
@@ -90,7 +90,7 @@ async def response_context(
         created=int(payload.created),
         n=payload.sampling.n,
         echo_text=await echo_text(services, payload),
-        include_usage=stream,
+        include_usage=include_usage,
     )
 
 
@@ -135,6 +135,9 @@ async def complete(
         log.info("client disconnected; cancelling job")
         services.jobs.cancel_soon(payload.id)
         return Response(status_code=499)
+    except asyncio.CancelledError:
+        services.jobs.cancel_soon(payload.id)
+        raise
     finally:
         if not handed_over:
             services.relay.unsubscribe(sub)

@@ -196,3 +196,55 @@ async def test_restart_divergence_ends_stream_with_error() -> None:
         chunks = sse_payloads(r.text)
         assert [c["choices"][0]["text"] for c in chunks[:2]] == ["H", "i"]
         assert "diverged" in chunks[2]["error"]["message"] and chunks[3] == "[DONE]"
+
+
+async def _call_and_disconnect(app, body: dict, after_s: float) -> list[dict]:
+    """Drive the ASGI app directly; the client disconnects `after_s` after sending."""
+    import asyncio
+    import json
+
+    sent: list[dict] = []
+    messages = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
+
+    async def receive() -> dict:
+        if messages:
+            return messages.pop()
+        await asyncio.sleep(after_s)
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/completions",
+        "raw_path": b"",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json")],
+        "client": ("t", 1),
+        "server": ("test", 80),
+    }
+    await asyncio.wait_for(app(scope, receive, send), 5)
+    return sent
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_disconnect_cancels_job(stream: bool) -> None:
+    import asyncio
+
+    async with harness() as h:
+        h.worker.step_s = 0.05
+        await _call_and_disconnect(h.app, {"prompt": "x", "stream": stream}, after_s=0.15)
+        job_id = h.worker.payloads[0].id
+        for _ in range(100):
+            raw = await h.redis.get(h.keys.job(job_id))
+            if b'"status":"cancelled"' in raw:
+                break
+            await asyncio.sleep(0.02)
+        assert await h.redis.exists(h.keys.cancelled(job_id))
+        assert b'"status":"cancelled"' in raw
