@@ -28,15 +28,19 @@ def slots_for(block_ids: list[int], start: int, end: int, block_size: int) -> li
 def _decode_tensors(
     chunks: list[ScheduledChunk], block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Padded block tables [D, max_blocks] and key mask [D, 1, 1, max_blocks * block_size]."""
+    """Padded block tables [D, max_blocks] and additive key mask [D, 1, 1, max_blocks * bs]."""
     context_lens = [c.start_position + 1 for c in chunks]
-    max_blocks = max((n + block_size - 1) // block_size for n in context_lens)
-    tables = torch.zeros(len(chunks), max_blocks, dtype=torch.long)
-    for row, (chunk, n) in enumerate(zip(chunks, context_lens, strict=True)):
-        used = chunk.block_ids[: (n + block_size - 1) // block_size]
-        tables[row, : len(used)] = torch.tensor(used, dtype=torch.long)
+    blocks_used = [(n + block_size - 1) // block_size for n in context_lens]
+    max_blocks = max(blocks_used)
+    # Padding points at a sequence's first block: any real block, masked out below.
+    rows = [
+        c.block_ids[:used] + c.block_ids[:1] * (max_blocks - used)
+        for c, used in zip(chunks, blocks_used, strict=True)
+    ]
+    tables = torch.tensor(rows, dtype=torch.long)
     lens = torch.tensor(context_lens, dtype=torch.long)
-    mask = torch.arange(max_blocks * block_size)[None, :] < lens[:, None]
+    padding = torch.arange(max_blocks * block_size)[None, :] >= lens[:, None]
+    mask = torch.zeros(padding.shape, dtype=torch.float32).masked_fill_(padding, float("-inf"))
     return tables, mask[:, None, None, :]
 
 

@@ -144,24 +144,21 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self._lm_head_f32: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits [N, vocab] for the selected hidden states [N, H]."""
-        weight = self.lm_head.weight
-        if weight.dtype != torch.float32:
-            if self._lm_head_f32 is None:
-                self._lm_head_f32 = weight.float()
-            weight = self._lm_head_f32
-        return hidden.float() @ weight.t()
+        """Float32 logits [N, vocab] for the selected hidden states [N, H].
+
+        The product runs in the model's dtype and is widened after, as vLLM does: a float32
+        copy of a bf16 head made this matmul 4x slower (a third of a 64-sequence decode step).
+        """
+        return self.lm_head(hidden).float()
 
     def post_load(self) -> None:
         """Build what is derived from config rather than loaded (rotary cache)."""
         self.model.rotary_emb.build_cache()
-        self._lm_head_f32 = None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors (HF names) into parameters; returns the names loaded."""
