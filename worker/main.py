@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from arq import Retry
-from arq.connections import ArqRedis, RedisSettings, create_pool
+from arq.connections import ArqRedis, create_pool
 from arq.worker import Worker, func
 from prometheus_client import start_http_server
 from redis.exceptions import RedisError
@@ -23,6 +23,7 @@ from shared.keys import Keys
 from shared.logging import setup_logging
 from shared.metrics import WorkerMetrics
 from shared.queue import RUN_COMPLETION, deserialize_job, serialize_job
+from shared.redis_url import arq_redis_settings
 from shared.tokenizer import load_tokenizer
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
@@ -180,7 +181,7 @@ async def _connect(settings: Settings) -> ArqRedis:
     while True:
         try:
             return await create_pool(
-                RedisSettings.from_dsn(settings.redis_url), job_serializer=serialize_job,
+                arq_redis_settings(settings.redis_url), job_serializer=serialize_job,
                 job_deserializer=deserialize_job,
                 default_queue_name=Keys(settings.key_prefix).queue,
             )
