@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -80,16 +81,33 @@ def redis_unavailable() -> APIError:
     return APIError(503, "Redis unavailable, try again later", code="redis_unavailable")
 
 
+# Parts of a pydantic error location that name a union member, not a field:
+# `prompt.str`, `prompt.list[int]`, `stream_options.StreamOptions`, `function-after[...]`.
+_UNION_TAG = re.compile(r"^(str|int|float|bool|bytes|none|list|dict|tuple|set)$|[\[\-]|^[A-Z]")
+
+
+def error_param(loc: tuple[Any, ...] | list[Any]) -> str | None:
+    """`messages.0.role` from pydantic's loc, cut at the first union tag."""
+    parts: list[str] = []
+    for part in loc:
+        if isinstance(part, str) and _UNION_TAG.search(part):
+            break
+        parts.append(str(part))
+    return ".".join(parts) or None
+
+
 def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
     """Turn pydantic's first error into a 400 naming the offending parameter."""
     errors = exc.errors()
     if not errors:
         return APIError(400, "Invalid request")
     first = errors[0]
-    loc = [str(part) for part in first.get("loc", ()) if part not in ("body",)]
     if first.get("type") == "json_invalid":
         return APIError(400, "Request body is not valid JSON", code="invalid_json")
-    param = ".".join(loc) or None
+    loc = tuple(first.get("loc", ()))
+    if isinstance(exc, RequestValidationError) and loc[:1] in (("body",), ("header",)):
+        loc = loc[1:]  # FastAPI's own prefix (our bodies are parsed by `parse_body`)
+    param = error_param(loc)
     msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     message = f"{param}: {msg}" if param else msg
     return APIError(400, message, param=param, code="invalid_parameter")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -12,7 +13,7 @@ from api.auth import require_api_key
 from api.completions import parse_body, parse_dict, prepare_job, response_context
 from api.errors import APIError
 from api.formatting import build_response, usage_dict
-from api.protocol import ChatCompletionRequest, CompletionRequest, JobCreateRequest
+from api.protocol import ChatCompletionRequest, CompletionRequest, JobCreateRequest, openapi_body
 from api.relay import parse_entry_id
 from api.services import Services, get_services
 from shared.contracts import FINAL_STATUSES, TERMINAL_EVENT_TYPES, JobRecord, encode_event
@@ -20,6 +21,7 @@ from shared.logging import job_id_var
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 _IDLE_CHECK_S = 2.0
+_ENTRY_ID = re.compile(r"^[0-9]{1,20}(-[0-9]{1,20})?$")
 
 
 async def job_object(services: Services, record: JobRecord) -> dict[str, Any]:
@@ -54,7 +56,7 @@ async def job_object(services: Services, record: JobRecord) -> dict[str, Any]:
     return obj
 
 
-@router.post("/v1/jobs", status_code=202)
+@router.post("/v1/jobs", status_code=202, openapi_extra=openapi_body(JobCreateRequest))
 async def create_job(
     request: Request,
     api_key_id: str | None = Depends(require_api_key),
@@ -99,13 +101,24 @@ async def job_events(
     last_event_id: str | None = Header(None),
 ) -> StreamingResponse:
     """Every event as SSE (`id:` = stream entry id), from the start or after Last-Event-ID."""
-    start = (last_event_id or "0-0").strip()
-    try:
-        parse_entry_id(start)
-    except ValueError as exc:
-        raise APIError(400, "Malformed Last-Event-ID header", param="Last-Event-ID") from exc
+    start = _start_id(last_event_id)
     await services.jobs.get_owned(job_id, api_key_id)
     return StreamingResponse(_events(services, job_id, start), media_type="text/event-stream")
+
+
+def _start_id(last_event_id: str | None) -> str:
+    """The stream id to read after: `ms-seq` (or `ms`), both below 2**64, else a 400. Only
+    well-formed ids may reach the relay, whose one XREAD serves every subscriber."""
+    text = (last_event_id or "0-0").strip()
+    try:
+        if not _ENTRY_ID.match(text):
+            raise ValueError(text)
+        ms, seq = parse_entry_id(text)
+        if ms >= 2**64 or seq >= 2**64:
+            raise ValueError(text)
+    except ValueError as exc:
+        raise APIError(400, "Malformed Last-Event-ID header", param="Last-Event-ID") from exc
+    return f"{ms}-{seq}"
 
 
 async def _events(services: Services, job_id: str, start: str) -> AsyncIterator[str]:

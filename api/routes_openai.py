@@ -16,13 +16,14 @@ from api.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    openapi_body,
 )
 from api.services import Services, get_services
 
 router = APIRouter()
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest))
 async def completions(
     request: Request,
     api_key_id: str | None = Depends(require_api_key),
@@ -32,7 +33,7 @@ async def completions(
     return await complete(request, services, body, api_key_id)
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest))
 async def chat_completions(
     request: Request,
     api_key_id: str | None = Depends(require_api_key),
@@ -76,7 +77,11 @@ async def _model_len(services: Services, requested: str | None) -> int | None:
     return services.settings.max_model_len
 
 
-@router.post("/tokenize", dependencies=[Depends(require_api_key)])
+@router.post(
+    "/tokenize",
+    dependencies=[Depends(require_api_key)],
+    openapi_extra=openapi_body(TokenizeRequest),
+)
 async def tokenize(request: Request, services: Services = Depends(get_services)) -> dict:
     body = await parse_body(request, TokenizeRequest)
     max_model_len = await _model_len(services, body.model)
@@ -93,7 +98,11 @@ async def tokenize(request: Request, services: Services = Depends(get_services))
     return {"tokens": tokens, "count": len(tokens), "max_model_len": max_model_len}
 
 
-@router.post("/detokenize", dependencies=[Depends(require_api_key)])
+@router.post(
+    "/detokenize",
+    dependencies=[Depends(require_api_key)],
+    openapi_extra=openapi_body(DetokenizeRequest),
+)
 async def detokenize(request: Request, services: Services = Depends(get_services)) -> dict:
     body = await parse_body(request, DetokenizeRequest)
     await _model_len(services, body.model)

@@ -39,8 +39,9 @@ async def ready(services: Services = Depends(get_services)) -> JSONResponse:
     return JSONResponse({"status": "ready", "model": model, "max_model_len": served[model]})
 
 
-@router.get("/metrics")
+@router.get("/metrics", dependencies=[Depends(require_api_key)])
 async def metrics(services: Services = Depends(get_services)) -> Response:
+    """Prometheus text format; needs a key when keys are set (Prometheus: `authorization`)."""
     try:
         services.metrics.pending_requests.set(await services.jobs.queue_depth())
     except (RedisError, OSError):

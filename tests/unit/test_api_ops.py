@@ -1,4 +1,5 @@
-"""Errors, limits, auth, operations endpoints, and the official openai client."""
+"""Limits, auth, operations endpoints, and the official openai client (bad input: see
+test_api_bad_input.py)."""
 
 from __future__ import annotations
 
@@ -10,53 +11,6 @@ from tests.unit.fake_worker import TOKENIZER
 
 pytestmark = pytest.mark.redis
 PROMPT = {"model": "test-model", "prompt": "Hello"}
-
-
-@pytest.mark.parametrize(
-    ("extra", "param"),
-    [
-        ({"temperature": 3}, "temperature"),
-        ({"top_p": 0}, "top_p"),
-        ({"n": 0}, "n"),
-        ({"n": 5}, "n"),
-        ({"logit_bias": {str(i): 1 for i in range(6)}}, "logit_bias"),
-        ({"logit_bias": {"5": 101}}, "logit_bias"),
-        ({"logprobs": 21}, "logprobs"),
-        ({"max_tokens": 0}, "max_tokens"),
-        ({"prompt": ["a", "b"]}, "prompt"),
-        ({"prompt": ""}, "prompt"),
-    ],
-)
-async def test_invalid_params_are_400(extra: dict, param: str) -> None:
-    async with harness(start_worker=False) as h:
-        r = await h.client.post("/v1/completions", json={**PROMPT, **extra})
-        assert r.status_code == 400, r.text
-        error = r.json()["error"]
-        assert error["type"] == "invalid_request_error" and error["param"] == param
-
-
-async def test_malformed_bodies() -> None:
-    async with harness(start_worker=False) as h:
-        r = await h.client.post("/v1/completions", content=b"{not json")
-        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
-        r = await h.client.post("/v1/completions", content=b'{"prompt": "\xff\xfe"}')
-        assert r.status_code == 400
-        r = await h.client.post("/v1/chat/completions", json={"messages": []})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
-
-
-async def test_body_too_large_413() -> None:
-    async with harness(start_worker=False, max_request_body_bytes=2048) as h:
-        big = {"prompt": "x" * 4000}
-        r = await h.client.post("/v1/completions", json=big)
-        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
-
-        async def chunks():
-            for _ in range(10):
-                yield b"x" * 500
-
-        r = await h.client.post("/v1/completions", content=chunks())  # chunked, no length
-        assert r.status_code == 413
 
 
 async def test_unknown_model_and_no_workers() -> None:
