@@ -190,3 +190,27 @@ def test_engine_driver_reports_rejected_prompt(tmp_path: Path) -> None:
 
     record = asyncio.run(go())
     assert not record.ok and "prompt token ids must be in [0, 256)" in record.error
+
+
+def test_vs_vllm_report_and_env(tmp_path: Path) -> None:
+    from loadtest.vs_vllm import report_markdown, vllm_env
+
+    a = RequestRecord(start=0.0, end=1.0, chunk_times=[0.2, 0.5, 1.0], output_tokens=3)
+    fast, slow = summarize(4, [a], duration_s=1.0), summarize(4, [a], duration_s=2.0)
+    meta = {
+        "workload": "w",
+        "levels": [4],
+        "max_seconds": 10.0,
+        "vllm_version": "0.32.0",
+        "vllm_config": "bf16",
+        "load_before": 1.0,
+        "load_after": 2.0,
+    }
+    text = report_markdown([fast], [slow], meta)
+    assert "| 4 | 3.0 | 1.5 | 0.50 | 400.0 | 400.0 | 200 | 200 | 1.0 | 1.0 |" in text
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libiomp5.so").write_text("")
+    env = vllm_env(tmp_path, 3, "0-1", preload=True)
+    assert env["VLLM_TARGET_DEVICE"] == "cpu" and env["VLLM_CPU_KVCACHE_SPACE"] == "3"
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+    assert str(tmp_path / "lib" / "libiomp5.so") in env["LD_PRELOAD"]
