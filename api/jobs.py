@@ -33,6 +33,8 @@ redis.call('EXPIRE', KEYS[2], ARGV[3])
 if KEYS[3] ~= '' then redis.call('SREM', KEYS[3], ARGV[5]) end
 redis.call('ZREM', KEYS[4], ARGV[5])
 redis.call('DEL', KEYS[5])
+redis.call('EXPIRE', KEYS[6], ARGV[3])
+redis.call('EXPIRE', KEYS[7], ARGV[3])
 return 1
 """
 # A queued record must outlive its wait in the queue (arq's own job expiry is one day).
@@ -135,6 +137,7 @@ class JobStore:
         await self.redis.set(self.keys.cancelled(job_id), "1", ex=QUEUED_TTL_S + ttl)
         record = await self.get(job_id)
         if record is None or record.status in FINAL_STATUSES:
+            await self.redis.expire(self.keys.cancelled(job_id), ttl)  # no job left to stop
             return record
         if record.status == "queued" and await self._try_cancel_queued(record):
             return record
@@ -152,6 +155,8 @@ class JobStore:
                 key_jobs,
                 self.keys.queue,
                 job_key_prefix + record.id,
+                self.keys.payload(record.id),
+                self.keys.cancelled(record.id),
             ],
             args=[
                 record.model_dump_json(),

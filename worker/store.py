@@ -24,6 +24,8 @@ if ARGV[2] ~= '' then
 end
 redis.call('EXPIRE', KEYS[2], ARGV[3])
 if KEYS[3] ~= '' then redis.call('SREM', KEYS[3], ARGV[5]) end
+redis.call('EXPIRE', KEYS[4], ARGV[3])
+redis.call('EXPIRE', KEYS[5], ARGV[3])
 return 1
 """
 
@@ -69,7 +71,8 @@ class JobStore:
         record.finished_at = time.time()
         key_jobs = self.keys.key_jobs(record.api_key_id) if record.api_key_id else ""
         done = await self._finish(
-            keys=[self.keys.job(record.id), self.keys.stream(record.id), key_jobs],
+            keys=[self.keys.job(record.id), self.keys.stream(record.id), key_jobs,
+                  self.keys.payload(record.id), self.keys.cancelled(record.id)],
             args=[record.model_dump_json(), encode_event(last_event) if last_event else "",
                   self.ttl_s, self.stream_maxlen, record.id],
         )
