@@ -19,7 +19,6 @@ QUESTIONS = [
     "Explain what a KV cache is in one sentence.",
     "List three colours.",
     "How many legs does a spider have?",
-    "Translate 'good morning' into Spanish.",
 ]
 
 

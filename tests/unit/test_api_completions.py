@@ -198,8 +198,9 @@ async def test_restart_divergence_ends_stream_with_error() -> None:
         assert "diverged" in chunks[2]["error"]["message"] and chunks[3] == "[DONE]"
 
 
-async def _call_and_disconnect(app, body: dict, after_s: float) -> list[dict]:
-    """Drive the ASGI app directly; the client disconnects `after_s` after sending."""
+async def _call_and_disconnect(app, body: dict, after_s: float, started=lambda: True
+                               ) -> list[dict]:
+    """Drive the ASGI app directly; the client disconnects `after_s` after `started()`."""
     import asyncio
     import json
 
@@ -209,6 +210,8 @@ async def _call_and_disconnect(app, body: dict, after_s: float) -> list[dict]:
     async def receive() -> dict:
         if messages:
             return messages.pop()
+        while not started():  # a loaded machine may take a while to enqueue the job
+            await asyncio.sleep(0.01)
         await asyncio.sleep(after_s)
         return {"type": "http.disconnect"}
 
@@ -229,7 +232,7 @@ async def _call_and_disconnect(app, body: dict, after_s: float) -> list[dict]:
         "client": ("t", 1),
         "server": ("test", 80),
     }
-    await asyncio.wait_for(app(scope, receive, send), 5)
+    await asyncio.wait_for(app(scope, receive, send), 30)
     return sent
 
 
@@ -239,7 +242,8 @@ async def test_disconnect_cancels_job(stream: bool) -> None:
 
     async with harness() as h:
         h.worker.step_s = 0.05
-        await _call_and_disconnect(h.app, {"prompt": "x", "stream": stream}, after_s=0.15)
+        await _call_and_disconnect(h.app, {"prompt": "x", "stream": stream}, after_s=0.15,
+                                   started=lambda: bool(h.worker.payloads))
         job_id = h.worker.payloads[0].id
         for _ in range(100):
             raw = await h.redis.get(h.keys.job(job_id))
