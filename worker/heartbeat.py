@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 
 from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
 from redis.exceptions import RedisError
 
 from shared.contracts import WorkerRecord
@@ -24,11 +25,22 @@ ARQ_IN_PROGRESS_PREFIX = "arq:in-progress:"
 class Heartbeat:
     """Every interval: SET the WorkerRecord with a TTL, ZADD the workers index, and extend
     the arq in-progress leases of this worker's jobs, so a killed worker's jobs become
-    runnable elsewhere within `lease_s` rather than after the whole job timeout."""
+    runnable elsewhere within `lease_s` rather than after the whole job timeout. After a
+    Redis restart the next beat puts all of it back (and `restore` the running jobs' records).
+    """
 
-    def __init__(self, redis: Redis, keys: Keys, base: WorkerRecord, interval_s: float,
-                 ttl_s: float, stats: Callable[[], EngineStats],
-                 job_ids: Callable[[], list[str]], status: Callable[[], str]) -> None:
+    def __init__(
+        self,
+        redis: Redis,
+        keys: Keys,
+        base: WorkerRecord,
+        interval_s: float,
+        ttl_s: float,
+        stats: Callable[[], EngineStats],
+        job_ids: Callable[[], list[str]],
+        status: Callable[[], str],
+        restore: Callable[[Pipeline], None] | None = None,
+    ) -> None:
         self.redis = redis
         self.keys = keys
         self.base = base
@@ -37,19 +49,22 @@ class Heartbeat:
         self._stats = stats
         self._job_ids = job_ids
         self._status = status
+        self._restore = restore
         self._task: asyncio.Task[None] | None = None
 
     def record(self) -> WorkerRecord:
         stats = self._stats()
-        return self.base.model_copy(update={
-            "status": self._status(),
-            "kv_blocks_used": stats.num_blocks_used,
-            "kv_blocks_total": stats.num_blocks_total,
-            "kv_bytes_per_block": stats.kv_bytes_per_block,
-            "running": stats.num_running,
-            "waiting": stats.num_waiting,
-            "heartbeat_at": time.time(),
-        })
+        return self.base.model_copy(
+            update={
+                "status": self._status(),
+                "kv_blocks_used": stats.num_blocks_used,
+                "kv_blocks_total": stats.num_blocks_total,
+                "kv_bytes_per_block": stats.kv_bytes_per_block,
+                "running": stats.num_running,
+                "waiting": stats.num_waiting,
+                "heartbeat_at": time.time(),
+            }
+        )
 
     async def beat(self) -> None:
         record = self.record()
@@ -58,7 +73,10 @@ class Heartbeat:
             pipe.set(self.keys.worker(record.worker_id), record.model_dump_json(), px=ttl_ms)
             pipe.zadd(self.keys.workers, {record.worker_id: record.heartbeat_at})
             for job_id in self._job_ids():
-                pipe.pexpire(ARQ_IN_PROGRESS_PREFIX + job_id, ttl_ms)
+                # SET, not PEXPIRE: a lease that ran out while Redis was away comes back.
+                pipe.set(ARQ_IN_PROGRESS_PREFIX + job_id, b"1", px=ttl_ms)
+            if self._restore is not None:
+                self._restore(pipe)
             await pipe.execute()
 
     async def remove(self) -> None:

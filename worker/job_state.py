@@ -45,10 +45,16 @@ class JobState:
     cached_tokens: int = 0
     last_token_at: float | None = None
     error: ErrorEvent | None = None
+    record_json: str | None = None  # the in-progress record, put back if Redis loses it
 
     @classmethod
-    def create(cls, payload: JobPayload, attempt: int, prompt_token_ids: list[int],
-               loop: asyncio.AbstractEventLoop) -> JobState:
+    def create(
+        cls,
+        payload: JobPayload,
+        attempt: int,
+        prompt_token_ids: list[int],
+        loop: asyncio.AbstractEventLoop,
+    ) -> JobState:
         timings = Timings(queued_at=payload.created, started_at=time.time())
         choices = [ChoiceState() for _ in range(payload.sampling.n)]
         return cls(payload, attempt, prompt_token_ids, loop.create_future(), choices, timings)
@@ -71,35 +77,58 @@ class JobState:
         now = time.time()
         self.timings.first_token_at = self.timings.first_token_at or now
         self.last_token_at = now
-        return DeltaEvent(index=output.index, text=output.new_text,
-                          token_ids=output.new_token_ids, logprobs=logprobs)
+        return DeltaEvent(
+            index=output.index,
+            text=output.new_text,
+            token_ids=output.new_token_ids,
+            logprobs=logprobs,
+        )
 
     def usage(self) -> Usage:
         completion = sum(len(c.token_ids) for c in self.choices)
         prompt = len(self.prompt_token_ids)
-        return Usage(prompt_tokens=prompt, completion_tokens=completion,
-                     total_tokens=prompt + completion, cached_tokens=self.cached_tokens)
+        return Usage(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            cached_tokens=self.cached_tokens,
+        )
 
     def done_event(self) -> DoneEvent:
         self.timings.finished_at = time.time()
-        ends = [ChoiceEnd(index=i, finish_reason=c.finish_reason or "abort")
-                for i, c in enumerate(self.choices)]
+        ends = [
+            ChoiceEnd(index=i, finish_reason=c.finish_reason or "abort")
+            for i, c in enumerate(self.choices)
+        ]
         return DoneEvent(choices=ends, usage=self.usage(), timings=self.timings)
 
     def result(self) -> JobResult:
         choices = [
-            ChoiceResult(index=i, text=c.text, token_ids=c.token_ids,
-                         finish_reason=c.finish_reason or "abort", logprobs=c.logprobs)
+            ChoiceResult(
+                index=i,
+                text=c.text,
+                token_ids=c.token_ids,
+                finish_reason=c.finish_reason or "abort",
+                logprobs=c.logprobs,
+            )
             for i, c in enumerate(self.choices)
         ]
-        return JobResult(prompt_token_ids=self.prompt_token_ids, choices=choices,
-                         usage=self.usage(), timings=self.timings)
+        return JobResult(
+            prompt_token_ids=self.prompt_token_ids,
+            choices=choices,
+            usage=self.usage(),
+            timings=self.timings,
+        )
 
 
 def to_token_logprob(sampled: SampledToken, tokenizer: Tokenizer) -> TokenLogprob:
     top = [
-        TopLogprob(token_id=t.token_id, token=tokenizer.token_text(t.token_id),
-                   logprob=t.logprob, bytes=tokenizer.token_bytes(t.token_id))
+        TopLogprob(
+            token_id=t.token_id,
+            token=tokenizer.token_text(t.token_id),
+            logprob=t.logprob,
+            bytes=tokenizer.token_bytes(t.token_id),
+        )
         for t in sampled.top or []
     ]
     return TokenLogprob(

@@ -30,6 +30,7 @@ from worker.engine.engine import LLMEngine
 from worker.heartbeat import Heartbeat, default_worker_id
 from worker.metrics import WorkerMetricsRecorder
 from worker.service import HandBack, WorkerService
+from worker.store import REDIS_DOWN_ERRORS
 
 logger = logging.getLogger("worker")
 
@@ -44,10 +45,15 @@ async def run_completion(ctx: dict[str, Any], payload_json: str) -> str:
         raise Retry(defer=None) from None  # back to the queue, for another worker
     except asyncio.CancelledError:
         raise
+    except REDIS_DOWN_ERRORS as exc:  # Redis stayed away past the store's deadline
+        logger.error("job %s: Redis unreachable (%r); back to the queue", payload.id, exc)
+        raise Retry(defer=1.0) from None
     except Exception as exc:  # a bug must end the job with a reason, never lose it
         logger.exception("job %s failed", payload.id)
-        await service.fail(payload.id, ErrorEvent(
-            status=500, error_type="server_error", message=f"worker error: {exc}"))
+        await service.fail(
+            payload.id,
+            ErrorEvent(status=500, error_type="server_error", message=f"worker error: {exc}"),
+        )
         return "failed"
 
 
@@ -56,8 +62,7 @@ class LadleWorker(Worker):
 
     def __init__(self, service: WorkerService, settings: Settings, pool: ArqRedis) -> None:
         super().__init__(
-            functions=[func(run_completion, name=RUN_COMPLETION,
-                            max_tries=settings.job_max_tries)],
+            functions=[func(run_completion, name=RUN_COMPLETION, max_tries=settings.job_max_tries)],
             queue_name=Keys(settings.key_prefix).queue,
             redis_pool=pool,
             max_jobs=settings.max_batch_size + settings.worker_max_queued,
@@ -73,24 +78,61 @@ class LadleWorker(Worker):
         # A killed worker's lease runs out after worker_ttl_s (the heartbeat renews it).
         self.in_progress_timeout_s = settings.worker_ttl_s
         self.service = service
+        self._poll_delay = 0.5
 
     async def start_jobs(self, job_ids: list[bytes]) -> None:
-        await super().start_jobs(job_ids[: self.service.admission_capacity()])
+        # arq lists jobs running anywhere as well: check room per job actually started,
+        # never cut the list (that starved the worker at worker_max_queued jobs).
+        for job_id in job_ids:
+            if self._capacity() <= 0:
+                return
+            counter = self.job_counter
+            try:
+                await super().start_jobs([job_id])
+            except BaseException:
+                # arq counted the job and took a semaphore slot before its Redis calls
+                # failed: give both back, or every outage would shrink max_jobs for good.
+                if self.job_counter > counter and job_id.decode() not in self.tasks:
+                    self.job_counter -= 1
+                    self.sem.release()
+                raise
+
+    def _capacity(self) -> int:
+        """Room for more jobs, counting those arq started that are not yet in the engine."""
+        service = self.service
+        num_starting = max(self.job_counter - len(service.jobs) - service.num_pending, 0)
+        return service.admission_capacity(num_starting)
 
     async def _poll_iteration(self) -> None:
+        """One poll; a Redis outage (or anything else) must not end the poll loop."""
         try:
             await super()._poll_iteration()
+            self._poll_delay = 0.5
         except (RedisError, OSError) as exc:
-            logger.warning("queue poll failed (%s); retrying", exc)
+            logger.warning("queue poll failed (%s); retrying in %.1f s", exc, self._poll_delay)
+            await asyncio.sleep(self._poll_delay)
+            self._poll_delay = min(self._poll_delay * 2, 5.0)
+        except Exception:
+            logger.exception("queue poll failed")
             await asyncio.sleep(1.0)
 
-    async def finish_failed_job(self, job_id: str, result_data: bytes) -> None:
-        """arq gave up on a job without running it (tries exhausted): record why."""
+    async def finish_failed_job(self, job_id: str, result_data: bytes | None) -> None:
+        """arq gave up on a job without running it (tries exhausted): record why.
+
+        arq notices only when a worker picks the job up again after the last attempt's
+        worker died (its lease ran out), so the record says `in_progress` until then."""
         await super().finish_failed_job(job_id, result_data)
-        await self.service.fail(job_id, ErrorEvent(
-            status=500, error_type="server_error", code="worker_lost",
-            message=f"the job failed after {self.service.settings.job_max_tries} attempts: "
-                    "its worker was lost each time"))
+        tries = self.service.settings.job_max_tries
+        logger.warning("job %s: no try left after %d attempts; failing it", job_id, tries)
+        await self.service.fail(
+            job_id,
+            ErrorEvent(
+                status=500,
+                error_type="server_error",
+                code="worker_lost",
+                message=f"The job failed after {tries} attempts: its worker was lost each time",
+            ),
+        )
 
 
 class WorkerProcess:
@@ -111,18 +153,27 @@ class WorkerProcess:
         recorder = WorkerMetricsRecorder(metrics)
         service = WorkerService(s, engine, tokenizer, pool, self.worker_id, recorder)
         service.start()
-        heartbeat = Heartbeat(pool, self.keys, self._record(engine), s.heartbeat_interval_s,
-                              s.worker_ttl_s, stats=lambda: _stats(engine, recorder),
-                              job_ids=lambda: list(service.jobs),
-                              status=lambda: "draining" if service.draining else "ready")
+        heartbeat = Heartbeat(
+            pool,
+            self.keys,
+            self._record(engine),
+            s.heartbeat_interval_s,
+            s.worker_ttl_s,
+            stats=lambda: _stats(engine, recorder),
+            job_ids=lambda: list(service.jobs),
+            status=lambda: "draining" if service.draining else "ready",
+            restore=service.restore_records,
+        )
         heartbeat.start()
         self._serve_metrics(metrics)
         worker = LadleWorker(service, s, pool)
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(sig, self._stopping.set)
         runner = asyncio.create_task(worker.async_run())
-        logger.info("worker %s ready: model %s on %s", self.worker_id, s.model_id,
-                    engine.executor.device)
+        runner.add_done_callback(self._on_runner_exit)
+        logger.info(
+            "worker %s ready: model %s on %s", self.worker_id, s.model_id, engine.executor.device
+        )
         await self._stopping.wait()
         await self._drain(service, worker)
         await heartbeat.stop()
@@ -137,8 +188,9 @@ class WorkerProcess:
         """Stop taking jobs; let running ones finish within the timeout; hand back the rest."""
         service.draining = True
         worker.allow_pick_jobs = False
-        logger.info("draining %d jobs (up to %.0f s)", len(service.jobs),
-                    self.settings.shutdown_timeout_s)
+        logger.info(
+            "draining %d jobs (up to %.0f s)", len(service.jobs), self.settings.shutdown_timeout_s
+        )
         deadline = time.monotonic() + self.settings.shutdown_timeout_s
         while (service.jobs or service.num_pending) and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
@@ -149,13 +201,26 @@ class WorkerProcess:
         if tasks:
             await asyncio.wait(tasks, timeout=10)
 
+    def _on_runner_exit(self, runner: asyncio.Task[None]) -> None:
+        """The poll loop never ends by itself: if it does, exit (a supervisor restarts us)
+        rather than heartbeat as a worker that takes no jobs."""
+        if not self._stopping.is_set():
+            exc = None if runner.cancelled() else runner.exception()
+            logger.error("the arq poll loop ended (%r); stopping", exc)
+            self._stopping.set()
+
     def _record(self, engine: LLMEngine) -> WorkerRecord:
         stats = engine.stats()
         return WorkerRecord(
-            worker_id=self.worker_id, host=socket.gethostname(), pid=os.getpid(),
-            model=self.settings.model_id, device=engine.executor.device,
-            dtype=engine.executor.dtype, max_model_len=engine.max_model_len,
-            block_size=stats.block_size, kv_blocks_total=stats.num_blocks_total,
+            worker_id=self.worker_id,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            model=self.settings.model_id,
+            device=engine.executor.device,
+            dtype=engine.executor.dtype,
+            max_model_len=engine.max_model_len,
+            block_size=stats.block_size,
+            kv_blocks_total=stats.num_blocks_total,
             kv_bytes_per_block=stats.kv_bytes_per_block,
         )
 
@@ -181,7 +246,8 @@ async def _connect(settings: Settings) -> ArqRedis:
     while True:
         try:
             return await create_pool(
-                arq_redis_settings(settings.redis_url), job_serializer=serialize_job,
+                arq_redis_settings(settings.redis_url),
+                job_serializer=serialize_job,
                 job_deserializer=deserialize_job,
                 default_queue_name=Keys(settings.key_prefix).queue,
             )
@@ -200,8 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m worker",
         description="Run one Ladle worker: loads the model, takes completion jobs from Redis "
-                    "(arq), runs them in the continuous-batching engine and streams tokens "
-                    "back. Settings come from LLM_* environment variables and .env.",
+        "(arq), runs them in the continuous-batching engine and streams tokens "
+        "back. Settings come from LLM_* environment variables and .env.",
     )
     parser.add_argument("--model", help="overrides LLM_MODEL_NAME")
     parser.add_argument("--redis-url", help="overrides LLM_REDIS_URL")
@@ -212,9 +278,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    overrides = {k: v for k, v in {
-        "model_name": args.model, "redis_url": args.redis_url, "worker_id": args.worker_id,
-        "worker_metrics_port": args.metrics_port}.items() if v is not None}
+    overrides = {
+        k: v
+        for k, v in {
+            "model_name": args.model,
+            "redis_url": args.redis_url,
+            "worker_id": args.worker_id,
+            "worker_metrics_port": args.metrics_port,
+        }.items()
+        if v is not None
+    }
     settings = get_settings().model_copy(update=overrides)
     setup_logging(settings.log_level)
     asyncio.run(WorkerProcess(settings).run())

@@ -26,12 +26,13 @@ from worker.engine.sampling_params import SamplingParams
 from worker.engine_thread import EngineThread
 from worker.job_state import JobState
 from worker.metrics import WorkerMetricsRecorder
-from worker.store import JobStore
+from worker.store import REDIS_DOWN_ERRORS, JobStore
 
 logger = logging.getLogger(__name__)
 
-CANCELLED = ErrorEvent(status=409, error_type="cancelled", message="the job was cancelled",
-                       code="job_cancelled")
+CANCELLED = ErrorEvent(
+    status=409, error_type="cancelled", message="the job was cancelled", code="job_cancelled"
+)
 
 
 class HandBack(Exception):
@@ -39,9 +40,15 @@ class HandBack(Exception):
 
 
 class WorkerService:
-    def __init__(self, settings: Settings, engine: LLMEngine, tokenizer: Tokenizer,
-                 redis: Redis, worker_id: str,
-                 metrics: WorkerMetricsRecorder | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        engine: LLMEngine,
+        tokenizer: Tokenizer,
+        redis: Redis,
+        worker_id: str,
+        metrics: WorkerMetricsRecorder | None = None,
+    ) -> None:
         self.settings = settings
         self.engine = engine
         self.tokenizer = tokenizer  # event-loop thread only; the engine has its own
@@ -71,15 +78,23 @@ class WorkerService:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await asyncio.to_thread(self.engine_thread.stop)
 
-    def admission_capacity(self) -> int:
-        """How many more jobs to take from the queue now: only what can start soon."""
+    def admission_capacity(self, num_starting: int = 0) -> int:
+        """How many more jobs to take from the queue now: only what can start soon.
+
+        `num_starting` counts jobs arq has started that have not reached `run_job` yet.
+        """
         if self.draining:
             return 0
         stats = self.engine.stats()
-        waiting = stats.num_waiting + self.num_pending
+        num_not_in_engine = self.num_pending + num_starting
+        waiting = stats.num_waiting + num_not_in_engine
         room_in_queue = self.settings.worker_max_queued - waiting
-        room_in_batch = self.settings.max_batch_size + self.settings.worker_max_queued - len(
-            self.jobs) - self.num_pending
+        room_in_batch = (
+            self.settings.max_batch_size
+            + self.settings.worker_max_queued
+            - len(self.jobs)
+            - num_not_in_engine
+        )
         return max(0, min(room_in_batch, max(room_in_queue, 0)))
 
     # ---- one job -----------------------------------------------------------------------
@@ -97,23 +112,35 @@ class WorkerService:
             await self.store.mark_in_progress(record, attempt, self.worker_id)
             if attempt > 1:
                 reason = "the previous attempt's worker was lost or shut down"
-                await self.store.append_now(payload.id, RestartEvent(attempt=attempt,
-                                                                     reason=reason))
+                await self.store.append_now(
+                    payload.id, RestartEvent(attempt=attempt, reason=reason)
+                )
             prepared = self._prepare(payload)
         except InvalidRequestError as exc:
-            error = ErrorEvent(status=400, error_type="invalid_request_error",
-                               message=exc.message, param=exc.param, code=exc.code)
+            error = ErrorEvent(
+                status=400,
+                error_type="invalid_request_error",
+                message=exc.message,
+                param=exc.param,
+                code=exc.code,
+            )
             await self._finish(record, "failed", error)
             return "failed"
         finally:
             self.num_pending -= 1
         job = JobState.create(payload, attempt, prepared.prompt_token_ids, self.loop)
+        job.record_json = record.model_dump_json()
         self.jobs[payload.id] = job
         if self.metrics:
             self.metrics.observe_job_started(job)
-        await self.store.append_now(payload.id, StartedEvent(
-            worker_id=self.worker_id, prompt_tokens=len(prepared.prompt_token_ids),
-            attempt=attempt))
+        await self.store.append_now(
+            payload.id,
+            StartedEvent(
+                worker_id=self.worker_id,
+                prompt_tokens=len(prepared.prompt_token_ids),
+                attempt=attempt,
+            ),
+        )
         self.engine_thread.add(prepared)
         return await self._await_outcome(record, job)
 
@@ -131,7 +158,13 @@ class WorkerService:
             self.engine_thread.abort(job_id)
             self.jobs.pop(job_id, None)
             raise
-        self.jobs.pop(job_id, None)
+        try:  # still listed while its final write waits out Redis: the heartbeat restores it
+            await self._finish_outcome(record, job, outcome)
+        finally:
+            self.jobs.pop(job_id, None)
+        return record.status
+
+    async def _finish_outcome(self, record: JobRecord, job: JobState, outcome: str) -> None:
         if outcome == "completed":
             done = job.done_event()
             record.result = job.result()
@@ -141,30 +174,43 @@ class WorkerService:
         elif outcome == "cancelled":
             await self._finish(record, "cancelled", CANCELLED)
         elif outcome == "timeout":
-            await self._finish(record, "failed", ErrorEvent(
-                status=504, error_type="timeout", code="deadline_exceeded",
-                message="the job did not finish before its deadline"))
+            await self._finish(
+                record,
+                "failed",
+                ErrorEvent(
+                    status=504,
+                    error_type="timeout",
+                    code="deadline_exceeded",
+                    message="the job did not finish before its deadline",
+                ),
+            )
         else:  # rejected by the engine
             await self._finish(record, "failed", job.error)
-        return record.status
 
     def _prepare(self, payload: JobPayload) -> PreparedRequest:
         param = "messages" if payload.messages is not None else "prompt"
-        prompt_token_ids = tokenize_prompt(self.tokenizer, payload.prompt, payload.messages,
-                                           payload.add_generation_prompt,
-                                           payload.chat_template_kwargs)
+        prompt_token_ids = tokenize_prompt(
+            self.tokenizer,
+            payload.prompt,
+            payload.messages,
+            payload.add_generation_prompt,
+            payload.chat_template_kwargs,
+        )
         try:
             params = SamplingParams(**payload.sampling.model_dump())
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from exc
-        return self.engine.prepare(payload.id, prompt_token_ids, params, payload.priority,
-                                   param_name=param)
+        return self.engine.prepare(
+            payload.id, prompt_token_ids, params, payload.priority, param_name=param
+        )
 
     async def _finish(self, record: JobRecord, status: str, event: object) -> None:
         record.status = status  # type: ignore[assignment]
         if isinstance(event, ErrorEvent):
             record.error = event
-        await self.store.finish(record, event)
+        job = self.jobs.get(record.id)
+        payload_json = job.payload.model_dump_json() if job is not None else ""
+        await self.store.finish(record, event, payload_json)
 
     async def fail(self, job_id: str, error: ErrorEvent) -> None:
         """End a job as failed with a reason, unless it already ended."""
@@ -174,6 +220,12 @@ class WorkerService:
         record = await self.store.get(job_id)
         if record is not None:
             await self._finish(record, "failed", error)
+
+    def restore_records(self, pipe: Redis) -> None:
+        """Queue writes that put back running jobs' records if Redis lost them (heartbeat)."""
+        for job_id, job in list(self.jobs.items()):
+            if job.record_json is not None:
+                self.store.restore(pipe, job_id, job.record_json, job.payload.model_dump_json())
 
     def cancel(self, job_id: str) -> None:
         job = self.jobs.get(job_id)
@@ -250,15 +302,27 @@ class WorkerService:
                 delay = min(delay * 2, 2.0)
 
     async def _cancel_listener(self) -> None:
+        """Subscribe to cancels; after a Redis outage, subscribe again (with backoff)."""
+        delay = 0.1
         while True:
+            pubsub = self.redis.pubsub()
             try:
-                pubsub = self.redis.pubsub()
                 await pubsub.subscribe(self.keys.cancel_channel)
+                delay = 0.1
                 async for message in pubsub.listen():
                     if message.get("type") == "message":
                         data = message["data"]
                         self.cancel(data.decode() if isinstance(data, bytes) else data)
-            except RedisError as exc:
-                logger.warning("cancel listener lost Redis (%s); retrying", exc)
-                await asyncio.sleep(1.0)
+            except (RedisError, OSError) as exc:
+                logger.warning("cancel listener lost Redis (%s); retrying in %.1f s", exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+            finally:
+                await _close_quietly(pubsub)
 
+
+async def _close_quietly(pubsub: object) -> None:
+    try:
+        await pubsub.aclose()  # type: ignore[attr-defined]
+    except (*REDIS_DOWN_ERRORS, RedisError):
+        pass

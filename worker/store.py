@@ -2,12 +2,50 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared.contracts import FINAL_STATUSES, JobRecord, encode_event
 from shared.keys import Keys
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+# Redis being away (down, restarting, loading its AOF), as opposed to a bad command.
+REDIS_DOWN_ERRORS = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
+# How long a job's writes wait for Redis to come back before giving up (then logged).
+WRITE_DEADLINE_S = 120.0
+# A record must outlive a wait in the queue after a worker loss (as the API's queued one).
+RECORD_GRACE_S = 86_400
+
+
+async def with_retry(
+    op: Callable[[], Awaitable[T]],
+    what: str,
+    deadline_s: float = WRITE_DEADLINE_S,
+    on_retry: Callable[[], None] | None = None,
+) -> T:
+    """Run `op`, retrying with backoff while Redis is unreachable, until `deadline_s`."""
+    deadline = time.monotonic() + deadline_s
+    delay = 0.05
+    while True:
+        try:
+            return await op()
+        except REDIS_DOWN_ERRORS as exc:
+            if time.monotonic() + delay > deadline:
+                raise
+            if on_retry is not None:
+                on_retry()
+            logger.warning("%s failed (%r); retrying in %.2f s", what, exc, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
 
 # Sets the record and appends the last event only while the stored record is not final.
 # Records are pydantic JSON (no spaces), so the status test is a plain substring match.
@@ -24,6 +62,7 @@ if ARGV[2] ~= '' then
 end
 redis.call('EXPIRE', KEYS[2], ARGV[3])
 if KEYS[3] ~= '' then redis.call('SREM', KEYS[3], ARGV[5]) end
+if ARGV[6] ~= '' then redis.call('SET', KEYS[4], ARGV[6], 'NX') end
 redis.call('EXPIRE', KEYS[4], ARGV[3])
 redis.call('EXPIRE', KEYS[5], ARGV[3])
 return 1
@@ -31,49 +70,107 @@ return 1
 
 
 class JobStore:
-    def __init__(self, redis: Redis, keys: Keys, ttl_s: int, stream_maxlen: int) -> None:
+    """Every method waits out a Redis outage (retry with backoff up to `deadline_s`)."""
+
+    def __init__(
+        self,
+        redis: Redis,
+        keys: Keys,
+        ttl_s: int,
+        stream_maxlen: int,
+        deadline_s: float = WRITE_DEADLINE_S,
+    ) -> None:
         self.redis = redis
         self.keys = keys
         self.ttl_s = ttl_s
         self.stream_maxlen = stream_maxlen
+        self.deadline_s = deadline_s
         self._finish = redis.register_script(_FINISH_SCRIPT)
 
     async def get(self, job_id: str) -> JobRecord | None:
-        raw = await self.redis.get(self.keys.job(job_id))
+        raw = await with_retry(
+            lambda: self.redis.get(self.keys.job(job_id)), "reading a job", self.deadline_s
+        )
         return JobRecord.model_validate_json(raw) if raw else None
 
     async def is_cancelled(self, job_id: str) -> bool:
-        return bool(await self.redis.exists(self.keys.cancelled(job_id)))
+        key = self.keys.cancelled(job_id)
+        return bool(
+            await with_retry(lambda: self.redis.exists(key), "reading a cancel", self.deadline_s)
+        )
 
     async def mark_in_progress(self, record: JobRecord, attempt: int, worker_id: str) -> None:
         record.status = "in_progress"
         record.attempts = attempt
         record.worker_id = worker_id
         record.started_at = record.started_at or time.time()
-        await self.redis.set(self.keys.job(record.id), record.model_dump_json(),
-                             ex=self.ttl_s, xx=True)
+        await with_retry(
+            lambda: self.redis.set(
+                self.keys.job(record.id),
+                record.model_dump_json(),
+                ex=self.ttl_s + RECORD_GRACE_S,
+                xx=True,
+            ),
+            "marking a job in progress",
+            self.deadline_s,
+        )
+
+    def restore(self, pipe: Redis, job_id: str, record_json: str, payload_json: str) -> None:
+        """Queue writes that put back a running job's record and payload if Redis lost them
+        (a restart without persistence); never overwrites what is there."""
+        ttl = self.ttl_s + RECORD_GRACE_S
+        pipe.set(self.keys.job(job_id), record_json, ex=ttl, nx=True)
+        pipe.set(self.keys.payload(job_id), payload_json, ex=ttl, nx=True)
 
     def append(self, pipe: Redis, job_id: str, event: object) -> None:
         """Queue one event on a pipeline (or client); streams expire if a job is abandoned."""
         stream = self.keys.stream(job_id)
-        pipe.xadd(stream, {"data": encode_event(event)}, maxlen=self.stream_maxlen,
-                  approximate=True)
+        pipe.xadd(
+            stream, {"data": encode_event(event)}, maxlen=self.stream_maxlen, approximate=True
+        )
 
     async def append_now(self, job_id: str, event: object) -> None:
-        async with self.redis.pipeline(transaction=False) as pipe:
-            self.append(pipe, job_id, event)
-            pipe.expire(self.keys.stream(job_id), self.ttl_s + 3600)
-            await pipe.execute()
+        async def write() -> None:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                self.append(pipe, job_id, event)
+                pipe.expire(self.keys.stream(job_id), self.ttl_s + 3600)
+                await pipe.execute()
 
-    async def finish(self, record: JobRecord, last_event: object | None) -> bool:
-        """Write the final record (+ last event) unless the job is already final."""
+        await with_retry(write, "appending an event", self.deadline_s)
+
+    async def finish(
+        self, record: JobRecord, last_event: object | None, payload_json: str = ""
+    ) -> bool:
+        """Write the final record (+ last event) unless the job is already final.
+
+        If Redis was away meanwhile (it may have restarted empty), `payload_json` goes back
+        too, unless there is one: the job API builds its response from it."""
         assert record.status in FINAL_STATUSES
         record.finished_at = time.time()
         key_jobs = self.keys.key_jobs(record.api_key_id) if record.api_key_id else ""
-        done = await self._finish(
-            keys=[self.keys.job(record.id), self.keys.stream(record.id), key_jobs,
-                  self.keys.payload(record.id), self.keys.cancelled(record.id)],
-            args=[record.model_dump_json(), encode_event(last_event) if last_event else "",
-                  self.ttl_s, self.stream_maxlen, record.id],
+        keys = [
+            self.keys.job(record.id),
+            self.keys.stream(record.id),
+            key_jobs,
+            self.keys.payload(record.id),
+            self.keys.cancelled(record.id),
+        ]  # expire with it
+        args = [
+            record.model_dump_json(),
+            encode_event(last_event) if last_event else "",
+            self.ttl_s,
+            self.stream_maxlen,
+            record.id,
+            "",
+        ]
+
+        def lost_redis() -> None:
+            args[-1] = payload_json
+
+        done = await with_retry(
+            lambda: self._finish(keys=keys, args=args),
+            "writing a final record",
+            self.deadline_s,
+            on_retry=lost_redis,
         )
         return bool(done)
