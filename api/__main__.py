@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-import uvicorn
-
 from shared.config import Settings
 from shared.logging import setup_logging
 
@@ -38,15 +36,9 @@ def main(argv: list[str] | None = None) -> None:
     settings = Settings(**overrides)
     setup_logging(settings.log_level)
     from api.app import create_app
+    from api.server import serve
 
-    uvicorn.run(
-        create_app(settings),
-        host=settings.host,
-        port=settings.port,
-        log_config=None,
-        access_log=False,
-        timeout_graceful_shutdown=int(settings.shutdown_timeout_s),
-    )
+    serve(create_app(settings), settings)
 
 
 if __name__ == "__main__":

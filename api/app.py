@@ -10,6 +10,10 @@ from arq.connections import ArqRedis
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from redis.asyncio import ConnectionPool
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from api import routes_jobs, routes_openai, routes_ops
 from api.errors import install_error_handlers
@@ -27,11 +31,16 @@ from shared.queue import deserialize_job, serialize_job
 
 def make_redis(settings: Settings, keys: Keys) -> ArqRedis:
     """An arq-capable client that does not connect yet (arq's `create_pool` pings at once,
-    which would stop the API from starting, and answering 503, while Redis is down)."""
+    which would stop the API from starting, and answering 503, while Redis is down).
+
+    A command on a pooled connection that Redis dropped (it restarted) reconnects and is
+    sent again, twice at most, so the first requests after an outage do not fail."""
     pool = ConnectionPool.from_url(
         settings.redis_url,
         socket_connect_timeout=2.0,
         health_check_interval=30,
+        retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 2),
+        retry_on_error=[RedisConnectionError, RedisTimeoutError],
     )
     return ArqRedis(
         pool,
@@ -52,7 +61,7 @@ def build_services(
         settings=settings,
         keys=keys,
         redis=redis,
-        relay=Relay(redis, keys),
+        relay=Relay(redis, keys, verify_delay_s=max(2.0, 5 * settings.heartbeat_interval_s)),
         jobs=JobStore(redis, keys, settings),
         workers=WorkerDirectory(redis, keys, settings.worker_ttl_s),
         tokenizer=TokenizerHolder(settings, tokenizer_loader),

@@ -112,7 +112,7 @@ async def complete(
         await services.jobs.submit(payload, url)
         first = await _race(request, _first_content(sub, settings.first_event_timeout_s), deadline)
         if isinstance(first[-1], ErrorEvent):
-            raise APIError.from_event(first[-1])
+            raise _job_error(first[-1], payload.id)
         headers = {"X-Job-Id": payload.id}
         if body.stream:
             handed_over = True
@@ -123,7 +123,7 @@ async def complete(
             acc.add(event)
         await _race(request, _collect(sub, acc), deadline)
         if acc.error is not None:
-            raise APIError.from_event(acc.error)
+            raise _job_error(acc.error, payload.id)
         assert acc.done is not None
         observe_done(services, acc.done)
         result = build_response(ctx, acc.result(payload.sampling.n), acc.done.usage)
@@ -136,11 +136,19 @@ async def complete(
         services.jobs.cancel_soon(payload.id)
         return Response(status_code=499)
     except asyncio.CancelledError:
-        services.jobs.cancel_soon(payload.id)
+        if not services.relay.closing:  # at shutdown the job goes on; fetch it by id
+            services.jobs.cancel_soon(payload.id)
         raise
     finally:
         if not handed_over:
             services.relay.unsubscribe(sub)
+
+
+def _job_error(event: ErrorEvent, job_id: str) -> APIError:
+    """The job's error as a response that still names the job (it may live on: 503s)."""
+    error = APIError.from_event(event)
+    error.headers["X-Job-Id"] = job_id
+    return error
 
 
 async def _first_content(sub: Subscription, first_event_timeout_s: float) -> list[StreamEvent]:
@@ -225,7 +233,7 @@ async def _sse(
         yield sse_data("[DONE]")
     finally:
         services.relay.unsubscribe(sub)
-        if not translator.is_terminal:
+        if not translator.is_terminal and not services.relay.closing:
             services.jobs.cancel_soon(ctx.job_id)
 
 

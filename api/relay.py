@@ -4,18 +4,24 @@ A single background task runs `XREAD BLOCK` over every stream that has subscribe
 the entries out to per-subscriber asyncio queues. The block is capped (`block_ms`) so a new
 subscriber's stream joins the read within that time; entries already in a stream are replayed
 from the subscriber's last id, so subscribing after enqueueing loses nothing.
+
+Faults end waits instead of leaving them hanging: a job whose record is gone after Redis came
+back (a restart without persistence), a Redis outage longer than `outage_grace_s`, and the
+API shutting down each deliver an `ErrorEvent` (503) to the subscribers concerned.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from shared.contracts import StreamEvent, decode_event
+from shared.contracts import ErrorEvent, StreamEvent, decode_event
 from shared.keys import Keys
 
 log = logging.getLogger(__name__)
@@ -42,6 +48,10 @@ class Subscription:
         """The next (entry id, event); raises TimeoutError."""
         return await asyncio.wait_for(self.queue.get(), timeout)
 
+    def fail(self, event: ErrorEvent) -> None:
+        """End this reader's wait with an error that did not come from the stream."""
+        self.queue.put_nowait((self.last_id, event))
+
     def _offer(self, entry_id: str, event: StreamEvent | None) -> None:
         """Deliver an entry past our position; None (undecodable) only moves the position."""
         if parse_entry_id(entry_id) > parse_entry_id(self.last_id):
@@ -53,20 +63,36 @@ class Subscription:
 class Relay:
     """The process's stream reader; `subscribe`/`unsubscribe` are cheap and synchronous."""
 
-    def __init__(self, redis: Redis, keys: Keys, block_ms: int = 50) -> None:
+    def __init__(
+        self,
+        redis: Redis,
+        keys: Keys,
+        block_ms: int = 50,
+        verify_delay_s: float = 2.0,
+        outage_grace_s: float = 30.0,
+    ) -> None:
         self.redis = redis
         self.keys = keys
         self.block_ms = block_ms
+        self.verify_delay_s = verify_delay_s  # after a reconnect: workers restore records
+        self.outage_grace_s = outage_grace_s
         self.healthy = True
+        self.closing = False  # the API is shutting down
+        self._closed = False  # ... and open waits have been ended
+        self._lost_since: float | None = None
         self._subs: dict[str, set[Subscription]] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._checks: set[asyncio.Task] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
 
     def subscribe(self, job_id: str, last_id: str = "0-0") -> Subscription:
         parse_entry_id(last_id)
         sub = Subscription(job_id, self.keys.stream(job_id), last_id)
         self._subs.setdefault(sub.stream, set()).add(sub)
+        if self._closed:
+            sub.fail(shutdown_error(job_id))
         self._wake.set()
         self.start()
         return sub
@@ -84,14 +110,35 @@ class Relay:
 
     def start(self) -> None:
         if self._task is None and not self._stopping:
+            self._loop = asyncio.get_running_loop()
             self._task = asyncio.create_task(self._run(), name="stream-relay")
 
     async def stop(self) -> None:
         self._stopping = True  # redis-py may turn a cancelled read into a ConnectionError
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        for task in [self._task, *self._checks]:
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self._task = None
+
+    def begin_shutdown(self, grace_s: float) -> None:
+        """The API is stopping: open waits may go on for `grace_s`, then end with a 503
+        (the jobs themselves go on; clients fetch them by id). Safe from a signal handler."""
+        if self.closing:
+            return
+        self.closing = True
+        log.info("shutting down: open streams get %.1f s to finish", grace_s)
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.call_later, grace_s, self._close_all)
+
+    def _close_all(self) -> None:
+        self._closed = True
+        self._fail_all(shutdown_error)
+
+    def _fail_all(self, error_for: Callable[[str], ErrorEvent]) -> None:
+        for subs in self._subs.values():
+            for sub in subs:
+                sub.fail(error_for(sub.job_id))
 
     async def _run(self) -> None:
         backoff = 0.05
@@ -102,13 +149,61 @@ class Relay:
                 continue
             try:
                 await self._read_once()
-                self.healthy, backoff = True, 0.05
-            except RedisError as exc:
-                if self.healthy:
-                    log.warning("relay lost Redis", extra={"error": repr(exc)})
-                self.healthy = False
+                if not self.healthy:
+                    self._on_reconnect()
+                backoff = 0.05
+            except (RedisError, OSError) as exc:
+                self._on_lost(exc)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
+            except Exception:  # the relay must outlive any surprise, or every stream hangs
+                log.exception("relay read failed")
+                await asyncio.sleep(1.0)
+
+    def _on_lost(self, exc: BaseException) -> None:
+        now = time.monotonic()
+        if self.healthy:
+            log.warning("relay lost Redis", extra={"error": repr(exc)})
+            self.healthy, self._lost_since = False, now
+        elif self._lost_since is not None and now - self._lost_since > self.outage_grace_s:
+            log.error("Redis unreachable for %.0f s; ending open streams", now - self._lost_since)
+            self._lost_since = None  # once per outage
+            self._fail_all(
+                lambda job_id: ErrorEvent(
+                    status=503,
+                    error_type="service_unavailable",
+                    code="redis_unavailable",
+                    message=f"Redis is unreachable; job {job_id} may still finish: fetch it later "
+                    f"with GET /v1/jobs/{job_id}",
+                )
+            )
+
+    def _on_reconnect(self) -> None:
+        log.info("relay reconnected to Redis")
+        self.healthy, self._lost_since = True, None
+        task = asyncio.create_task(self._verify_jobs(), name="relay-verify")
+        self._checks.add(task)
+        task.add_done_callback(self._checks.discard)
+
+    async def _verify_jobs(self) -> None:
+        """After an outage: end the waits of jobs whose records Redis no longer has (it
+        restarted without persistence). Running jobs' records are put back by their
+        workers' heartbeats, so this waits a little first."""
+        await asyncio.sleep(self.verify_delay_s)
+        subs = {sub.job_id: sub_set for sub_set in self._subs.values() for sub in sub_set}
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for job_id in subs:
+                    pipe.exists(self.keys.job(job_id))
+                found = await pipe.execute()
+        except (RedisError, OSError) as exc:
+            log.warning("could not verify jobs after reconnecting", extra={"error": repr(exc)})
+            return  # the next reconnect checks again
+        for (job_id, sub_set), exists in zip(subs.items(), found, strict=True):
+            if not exists:
+                log.warning("job lost by Redis", extra={"job_id": job_id})
+                for sub in list(sub_set):
+                    sub.fail(job_lost_error(job_id))
 
     async def _read_once(self) -> None:
         positions = {
@@ -134,3 +229,22 @@ class Relay:
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+def shutdown_error(job_id: str) -> ErrorEvent:
+    return ErrorEvent(
+        status=503,
+        error_type="service_unavailable",
+        code="server_shutting_down",
+        message=f"The API server is shutting down; job {job_id} continues: fetch its result "
+        f"with GET /v1/jobs/{job_id}",
+    )
+
+
+def job_lost_error(job_id: str) -> ErrorEvent:
+    return ErrorEvent(
+        status=503,
+        error_type="service_unavailable",
+        code="job_lost",
+        message=f"Job {job_id} was lost when Redis restarted without persistence; submit it again",
+    )
