@@ -45,6 +45,7 @@ class Service:
     env: dict[str, str]
     port: int
     prefix: str
+    redis_url: str = TEST_REDIS_URL
     api: subprocess.Popen | None = None
     workers: list[subprocess.Popen | None] = field(default_factory=list)
 
@@ -57,16 +58,22 @@ class Service:
 
     def _spawn(self, module: str, name: str, extra: dict[str, str]) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 (owned by the process)
-        return subprocess.Popen([sys.executable, "-m", module], cwd=ROOT,
-                                env={**self.env, **extra}, stdout=log, stderr=log)
+        return subprocess.Popen(
+            [sys.executable, "-m", module],
+            cwd=ROOT,
+            env={**self.env, **extra},
+            stdout=log,
+            stderr=log,
+        )
 
     def start_api(self) -> None:
         self.api = self._spawn("api", "api", {})
 
     def start_worker(self) -> int:
         index = len(self.workers)
-        self.workers.append(self._spawn("worker", f"worker{index}",
-                                        {"LLM_WORKER_ID": f"{self.prefix}-w{index}"}))
+        self.workers.append(
+            self._spawn("worker", f"worker{index}", {"LLM_WORKER_ID": f"{self.prefix}-w{index}"})
+        )
         return index
 
     def worker_id(self, index: int) -> str:
@@ -84,7 +91,8 @@ class Service:
                 self._check_alive()
                 try:
                     if client.get("/ready").status_code == 200 and (
-                            len(self.live_workers(client)) >= num_workers):
+                        len(self.live_workers(client)) >= num_workers
+                    ):
                         return
                 except httpx.HTTPError:
                     pass
@@ -100,18 +108,22 @@ class Service:
         started = time.monotonic()
         while True:
             workers = self.live_workers(client)
-            if workers and all(w["kv_blocks_used"] == 0 and w["running"] == 0
-                               for w in workers):
+            if workers and all(w["kv_blocks_used"] == 0 and w["running"] == 0 for w in workers):
                 return time.monotonic() - started
             if time.monotonic() - started > timeout:
                 raise AssertionError(f"KV blocks still used after {timeout} s: {workers}")
             time.sleep(0.05)
 
+    def is_alive(self) -> bool:
+        """Every process started and not killed by the test is still running."""
+        return all(p.poll() is None for p in [self.api, *self.workers] if p is not None)
+
     def _check_alive(self) -> None:
         for proc in [self.api, *self.workers]:
             if proc is not None and proc.poll() is not None and proc.returncode not in (0,):
-                raise RuntimeError(f"a service process exited ({proc.returncode}); "
-                                   f"logs in {self.log_dir}")
+                raise RuntimeError(
+                    f"a service process exited ({proc.returncode}); logs in {self.log_dir}"
+                )
 
     def stop(self) -> None:
         for proc in [*self.workers, self.api]:
@@ -125,28 +137,37 @@ class Service:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        cleanup_keys(self.prefix)
+        try:
+            cleanup_keys(self.prefix, self.redis_url)
+        except (redis.RedisError, OSError):
+            pass  # a test's own Redis, already stopped
 
 
 def cleanup_keys(prefix: str, url: str = TEST_REDIS_URL) -> None:
     client = redis.Redis.from_url(url)
     job_ids = [key.decode().rsplit(":", 1)[-1] for key in client.scan_iter(f"{prefix}:job:*")]
     for job_id in job_ids:
-        client.delete(*(f"arq:{kind}:{job_id}" for kind in ("job", "result", "retry",
-                                                            "in-progress")))
+        client.delete(
+            *(f"arq:{kind}:{job_id}" for kind in ("job", "result", "retry", "in-progress"))
+        )
     keys = list(client.scan_iter(f"{prefix}:*"))
     if keys:
         client.delete(*keys)
 
 
-def start_service(model_dir: Path, log_dir: Path, num_workers: int = 1,
-                  **settings: object) -> Service:
+def start_service(
+    model_dir: Path,
+    log_dir: Path,
+    num_workers: int = 1,
+    redis_url: str = TEST_REDIS_URL,
+    **settings: object,
+) -> Service:
     prefix = f"ladletest-{uuid.uuid4().hex[:8]}"
     port = spare_port()
     env = {
         **os.environ,
         "PYTHONPATH": str(ROOT),
-        "LLM_REDIS_URL": TEST_REDIS_URL,
+        "LLM_REDIS_URL": redis_url,
         "LLM_KEY_PREFIX": prefix,
         "LLM_MODEL_NAME": str(model_dir),
         "LLM_PORT": str(port),
@@ -161,7 +182,7 @@ def start_service(model_dir: Path, log_dir: Path, num_workers: int = 1,
     }
     env.update({f"LLM_{key.upper()}": str(value) for key, value in settings.items()})
     log_dir.mkdir(parents=True, exist_ok=True)
-    service = Service(model_dir, log_dir, env, port, prefix)
+    service = Service(model_dir, log_dir, env, port, prefix, redis_url)
     service.start_api()
     for _ in range(num_workers):
         service.start_worker()
@@ -171,3 +192,57 @@ def start_service(model_dir: Path, log_dir: Path, num_workers: int = 1,
         service.stop()
         raise
     return service
+
+
+REDIS_SERVER = "/usr/bin/redis-server"
+
+
+@dataclass
+class RedisServer:
+    """A private `redis-server` on a spare port, stopped and restarted by a test.
+
+    Persistence is off unless `aof`: then `appendonly yes`, `appendfsync everysec` in `dir`.
+    """
+
+    dir: Path
+    aof: bool = False
+    port: int = field(default_factory=spare_port)
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 10.0) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        args = [
+            REDIS_SERVER,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.dir),
+            "--save",
+            "",
+            "--daemonize",
+            "no",
+            "--appendonly",
+            "yes" if self.aof else "no",
+            "--appendfsync",
+            "everysec",
+        ]
+        log = open(self.dir / "redis.log", "ab")  # noqa: SIM115 (owned by the process)
+        self.proc = subprocess.Popen(args, stdout=log, stderr=log)
+        deadline = time.monotonic() + timeout
+        while not redis_available(self.url):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server did not start; see {self.dir}/redis.log")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        """SIGTERM: a clean shutdown (the AOF is flushed; nothing else is saved)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(timeout=10)
+        self.proc = None
