@@ -29,7 +29,6 @@ async def with_retry(
     op: Callable[[], Awaitable[T]],
     what: str,
     deadline_s: float = WRITE_DEADLINE_S,
-    on_retry: Callable[[], None] | None = None,
 ) -> T:
     """Run `op`, retrying with backoff while Redis is unreachable, until `deadline_s`."""
     deadline = time.monotonic() + deadline_s
@@ -40,8 +39,6 @@ async def with_retry(
         except REDIS_DOWN_ERRORS as exc:
             if time.monotonic() + delay > deadline:
                 raise
-            if on_retry is not None:
-                on_retry()
             logger.warning("%s failed (%r); retrying in %.2f s", what, exc, delay)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 2.0)
@@ -143,8 +140,8 @@ class JobStore:
     ) -> bool:
         """Write the final record (+ last event) unless the job is already final.
 
-        If Redis was away meanwhile (it may have restarted empty), `payload_json` goes back
-        too, unless there is one: the job API builds its response from it."""
+        `payload_json` goes back too where Redis lost it (a restart without persistence while
+        the job ran): the job API builds its response from it. SET NX overwrites nothing."""
         assert record.status in FINAL_STATUSES
         record.finished_at = time.time()
         key_jobs = self.keys.key_jobs(record.api_key_id) if record.api_key_id else ""
@@ -161,16 +158,9 @@ class JobStore:
             self.ttl_s,
             self.stream_maxlen,
             record.id,
-            "",
+            payload_json,
         ]
-
-        def lost_redis() -> None:
-            args[-1] = payload_json
-
         done = await with_retry(
-            lambda: self._finish(keys=keys, args=args),
-            "writing a final record",
-            self.deadline_s,
-            on_retry=lost_redis,
+            lambda: self._finish(keys=keys, args=args), "writing a final record", self.deadline_s
         )
         return bool(done)
