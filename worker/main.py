@@ -20,7 +20,7 @@ from redis.exceptions import RedisError
 from shared.config import Settings, get_settings
 from shared.contracts import ErrorEvent, JobPayload, WorkerRecord
 from shared.keys import Keys
-from shared.logging import setup_logging
+from shared.logging import job_id_var, request_id_var, setup_logging
 from shared.metrics import WorkerMetrics
 from shared.queue import RUN_COMPLETION, deserialize_job, serialize_job
 from shared.redis_url import arq_redis_settings
@@ -39,8 +39,13 @@ async def run_completion(ctx: dict[str, Any], payload_json: str) -> str:
     """The arq job: one attempt at one completion job."""
     service: WorkerService = ctx["service"]
     payload = JobPayload.model_validate_json(payload_json)
+    # Log lines of this job (its own asyncio task) carry its ids.
+    job_id_var.set(payload.id)
+    request_id_var.set(payload.request_id)
     try:
-        return await service.run_job(payload, ctx["job_try"])
+        status = await service.run_job(payload, ctx["job_try"])
+        logger.info("job %s", status, extra={"attempt": ctx["job_try"]})
+        return status
     except HandBack:
         raise Retry(defer=None) from None  # back to the queue, for another worker
     except asyncio.CancelledError:
