@@ -33,10 +33,12 @@ class PagedAttention(nn.Module):
         v_flat = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
         k_flat.index_copy_(0, meta.slot_mapping, k)
         v_flat.index_copy_(0, meta.slot_mapping, v)
-        out = torch.empty_like(q)
-        if meta.num_decode_tokens:
-            num = meta.num_decode_tokens
-            out[:num] = self._decode(q[:num], meta)
+        num_decode = meta.num_decode_tokens
+        if num_decode == q.shape[0]:  # a decode-only step: no output buffer, no copy
+            return self._decode(q, meta)
+        out = q.new_empty(q.shape)
+        if num_decode:
+            out[:num_decode] = self._decode(q[:num_decode], meta)
         for chunk in meta.prefills:
             rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
             out[rows] = self._prefill(q[rows], k[rows], v[rows], k_flat, v_flat, chunk)
@@ -52,24 +54,22 @@ class PagedAttention(nn.Module):
         """One query per sequence against its cached keys, as two batched matmuls.
 
         The blocks in use are gathered once ([D, L, Hkv, hd], L = the longest context rounded
-        to blocks) and the query heads sharing a KV head become that head's query rows. Plain
-        bmm + float32 softmax: SDPA's CPU kernel costs ~10x more on these tiny problems.
+        to blocks) and the query heads sharing a KV head become that head's query rows.
+        Scores are scaled, masked and widened in one op (float32 softmax). Plain matmuls:
+        SDPA's CPU kernel costs ~10x more on these tiny problems. Returns [D, heads, hd].
         """
         tables = meta.decode_block_tables
         num_seqs, num_blocks = tables.shape
         length = num_blocks * self.k_cache.shape[1]
         flat_tables = tables.view(-1)
-        k = self.k_cache.index_select(0, flat_tables).view(num_seqs, length, self.num_kv_heads, -1)
-        v = self.v_cache.index_select(0, flat_tables).view(num_seqs, length, self.num_kv_heads, -1)
-        k = k.transpose(1, 2).reshape(num_seqs * self.num_kv_heads, length, self.head_dim)
-        v = v.transpose(1, 2).reshape(num_seqs * self.num_kv_heads, length, self.head_dim)
-        q = q.reshape(num_seqs * self.num_kv_heads, -1, self.head_dim)
-        scores = (
-            torch.bmm(q, k.transpose(1, 2)).float().view(num_seqs, self.num_kv_heads, -1, length)
-        )
-        scores = scores.mul_(self.scale).add_(meta.decode_mask)
-        probs = scores.softmax(dim=-1).to(v.dtype).view(num_seqs * self.num_kv_heads, -1, length)
-        return torch.bmm(probs, v).view(num_seqs, self.num_heads, self.head_dim)
+        shape = (num_seqs, length, self.num_kv_heads, self.head_dim)
+        k = self.k_cache.index_select(0, flat_tables).view(shape).permute(0, 2, 3, 1)
+        v = self.v_cache.index_select(0, flat_tables).view(shape).transpose(1, 2)
+        q = q.view(num_seqs, self.num_kv_heads, -1, self.head_dim)
+        # mask + scale * scores, in float32: [D, Hkv, G, L]
+        scores = torch.add(meta.decode_mask, torch.matmul(q, k), alpha=self.scale)
+        probs = scores.softmax(dim=-1).to(v.dtype)
+        return torch.matmul(probs, v).view(num_seqs, self.num_heads, self.head_dim)
 
     def _prefill(
         self,

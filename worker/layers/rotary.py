@@ -101,13 +101,12 @@ def compute_inv_freq(
     )
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class RotaryEmbedding(nn.Module):
-    """Holds cos/sin for every position up to `max_positions`; a step indexes it by position."""
+    """Holds cos/sin for every position up to `max_positions`; a step indexes it by position.
+
+    `sin_cache` holds sin with its first half negated, so that `apply_rotary` needs a swap of
+    the two halves (one `flip`) instead of HF's slice, negate and concatenate.
+    """
 
     def __init__(self, params: dict[str, Any], head_dim: int, max_positions: int) -> None:
         super().__init__()
@@ -124,13 +123,21 @@ class RotaryEmbedding(nn.Module):
         freqs = positions[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos_cache.copy_((emb.cos() * scale).to(self.cos_cache.dtype))
-        self.sin_cache.copy_((emb.sin() * scale).to(self.sin_cache.dtype))
+        sin = emb.sin() * scale
+        sin[:, : self.head_dim // 2].neg_()
+        self.sin_cache.copy_(sin.to(self.sin_cache.dtype))
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape [T, 1, head_dim] for flat positions [T] (broadcast over heads)."""
+        """cos, signed sin of shape [T, 1, head_dim] for flat positions [T] (over heads)."""
         return self.cos_cache[positions].unsqueeze(1), self.sin_cache[positions].unsqueeze(1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, heads, head_dim] (HF's rotate-half convention)."""
-    return x * cos + _rotate_half(x) * sin
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, heads, head_dim] (HF's rotate-half convention), from RotaryEmbedding.
+
+    x * cos + [x2, x1] * [-sin1, sin2] equals HF's x * cos + [-x2, x1] * sin bit for bit
+    (negation is exact), in 4 ops instead of 7. x may be a strided view (of a fused qkv).
+    """
+    num_tokens, num_heads, head_dim = x.shape
+    swapped = x.unflatten(-1, (2, head_dim // 2)).flip(-2).view(num_tokens, num_heads, head_dim)
+    return (x * cos).add_(swapped * signed_sin)

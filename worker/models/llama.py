@@ -73,19 +73,21 @@ class LlamaAttention(nn.Module):
         self.attn = PagedAttention(
             self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5
         )
-        self.split_sizes = [q_size, kv_size, kv_size]
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split(self.split_sizes, dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        qkv = self.qkv_proj(hidden).view(num_tokens, -1, self.head_dim)
+        num_qk = self.num_heads + self.num_kv_heads
+        v = qkv[:, num_qk:]
+        if self.q_norm is None:
+            # q and k heads side by side: one rotary over both (4 ops instead of 8).
+            qk = apply_rotary(qkv[:, :num_qk], cos, sin)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        else:
+            q = apply_rotary(self.q_norm(qkv[:, : self.num_heads]), cos, sin)
+            k = apply_rotary(self.k_norm(qkv[:, self.num_heads : num_qk]), cos, sin)
         out = self.attn(q, k, v)
-        return self.o_proj(out.reshape(num_tokens, -1))
+        return self.o_proj(out.view(num_tokens, -1))
 
 
 class LlamaMLP(nn.Module):

@@ -1,0 +1,186 @@
+"""Per-step overhead of the engine: where one decode step's time goes.
+
+    .venv/bin/python -m loadtest.profile_step [--dtype auto] [--threads N] [--batch 1 64]
+        [--context 128] [--steps 40] [--ops] [--cprofile] [--json OUT]
+
+For each batch size B: B requests of `context` random token ids are prefilled, then the
+engine decodes `steps` steps with all B running. Reported per step (medians):
+
+- step: `LLMEngine.step()` wall time (what a client's inter-token latency is made of);
+- forward: the model's forward + logits (`ModelRunner.compute_logits`);
+- sample: the sampler; python: the rest (scheduler, metadata, update, detokenizer);
+- prefill: the first step (B prompts of `context` tokens at once).
+
+`--ops` adds a torch.profiler table (top ops by self CPU time, op count per step);
+`--cprofile` a cProfile of the Python outside the forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import random
+import statistics
+import time
+from typing import Any
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP (shared CPUs)
+
+import torch
+
+from shared.model_files import DEFAULT_MODEL_NAME
+from worker.engine.config import EngineConfig
+from worker.engine.engine import LLMEngine
+from worker.engine.sampling_params import SamplingParams
+
+
+class _Timed:
+    """Wraps a callable and records the wall time of each call."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+        self.times: list[float] = []
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            self.times.append(time.perf_counter() - started)
+
+
+def _add_requests(engine: LLMEngine, batch: int, context: int, max_tokens: int) -> None:
+    rng = random.Random(batch)
+    vocab = engine.executor.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i in range(batch):
+        prompt = [rng.randrange(100, vocab) for _ in range(context)]
+        engine.add_request(engine.prepare(f"b{batch}-{i}-{time.monotonic_ns()}", prompt, params))
+
+
+def measure(engine: LLMEngine, batch: int, context: int, steps: int) -> dict[str, float]:
+    """Prefill B prompts, then time `steps` decode steps; medians in milliseconds."""
+    runner = engine.executor.runner
+    forward, sample = _Timed(runner.compute_logits), _Timed(runner.sampler.sample)
+    runner.compute_logits, runner.sampler.sample = forward, sample
+    try:
+        _add_requests(engine, batch, context, steps + 2)
+        step_times = []
+        while engine.has_unfinished_requests():
+            started = time.perf_counter()
+            engine.step()
+            step_times.append(time.perf_counter() - started)
+    finally:
+        del runner.compute_logits, runner.sampler.sample
+    # Prefill may take several steps (token budget); decode steps have exactly B tokens.
+    num_prefill = len(step_times) - (steps + 1)
+    decode = slice(num_prefill, num_prefill + steps)
+    step_ms = [1000 * t for t in step_times[decode]]
+    fwd_ms = [1000 * t for t in forward.times[decode]]
+    smp_ms = [1000 * t for t in sample.times[decode]]
+    py_ms = [s - f - m for s, f, m in zip(step_ms, fwd_ms, smp_ms, strict=True)]
+    return {
+        "batch": batch,
+        "prefill_ms": 1000 * sum(step_times[:num_prefill]),
+        "step_ms": statistics.median(step_ms),
+        "forward_ms": statistics.median(fwd_ms),
+        "sample_ms": statistics.median(smp_ms),
+        "python_ms": statistics.median(py_ms),
+        "decode_tokens_per_s": 1000 * batch / statistics.median(step_ms),
+    }
+
+
+def op_table(engine: LLMEngine, batch: int, context: int, steps: int = 5) -> str:
+    """torch.profiler over `steps` decode steps of B sequences: top ops and ops per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _add_requests(engine, batch, context, steps + 3)
+    for _ in range(3):  # prefill (+ a decode step)
+        engine.step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            engine.step()
+    while engine.has_unfinished_requests():
+        engine.step()
+    events = prof.key_averages()
+    num_ops = sum(e.count for e in events if e.key.startswith("aten::")) / steps
+    table = events.table(sort_by="self_cpu_time_total", row_limit=18)
+    return f"B={batch}: {num_ops:.0f} aten ops per step (incl. nested)\n{table}"
+
+
+def python_profile(engine: LLMEngine, batch: int, context: int, steps: int = 30) -> str:
+    _add_requests(engine, batch, context, steps + 3)
+    for _ in range(3):
+        engine.step()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        engine.step()
+    profiler.disable()
+    while engine.has_unfinished_requests():
+        engine.step()
+    stream_lines: list[str] = []
+
+    class _Sink:
+        def write(self, text: str) -> None:
+            stream_lines.append(text)
+
+    pstats.Stats(profiler, stream=_Sink()).sort_stats("tottime").print_stats(25)
+    return "".join(stream_lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL_NAME)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--repeat", type=int, default=1, help="runs per batch size")
+    parser.add_argument("--ops", action="store_true", help="torch.profiler op table")
+    parser.add_argument("--cprofile", action="store_true", help="cProfile of the step")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+
+    config = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device="cpu",
+        kv_cache_size_mb=1024,
+        num_threads=args.threads,
+        max_num_seqs=max(64, *args.batch),
+        max_num_batched_tokens=max(1024, args.context),
+    )
+    engine = LLMEngine(config)
+    print(
+        f"{args.model} {engine.executor.dtype} threads={torch.get_num_threads()} "
+        f"load={os.getloadavg()}"
+    )
+    measure(engine, 2, args.context, 4)  # warm-up
+    results = []
+    for batch in args.batch:
+        for _ in range(args.repeat):
+            result = measure(engine, batch, args.context, args.steps)
+            results.append(result)
+            print(
+                f"B={batch:3d} ctx={args.context}: step {result['step_ms']:.1f} ms "
+                f"(forward {result['forward_ms']:.1f}, sample {result['sample_ms']:.2f}, "
+                f"python {result['python_ms']:.2f}) -> {result['decode_tokens_per_s']:.1f} "
+                f"tok/s; prefill {result['prefill_ms']:.0f} ms"
+            )
+        if args.ops:
+            print(op_table(engine, batch, args.context))
+        if args.cprofile:
+            print(python_profile(engine, batch, args.context))
+    print(f"load after: {os.getloadavg()}")
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"load": os.getloadavg(), "results": results}, handle, indent=2)
+
+
+if __name__ == "__main__":
+    main()
