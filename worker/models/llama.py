@@ -15,7 +15,7 @@ from torch import nn
 
 from worker.layers.activation import SiluAndMul
 from worker.layers.attention import PagedAttention
-from worker.layers.linear import PackedLinear
+from worker.layers.linear import Linear, PackedLinear
 from worker.layers.norm import RMSNorm
 from worker.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 
@@ -67,7 +67,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = PackedLinear(
             config.hidden_size, [q_size, kv_size, kv_size], bias=variant.qkv_bias
         )
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=variant.o_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=variant.o_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if variant.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if variant.qk_norm else None
         self.attn = PagedAttention(
@@ -95,7 +95,7 @@ class LlamaMLP(nn.Module):
         super().__init__()
         size = config.intermediate_size
         self.gate_up_proj = PackedLinear(config.hidden_size, [size, size], bias=variant.mlp_bias)
-        self.down_proj = nn.Linear(size, config.hidden_size, bias=variant.mlp_bias)
+        self.down_proj = Linear(size, config.hidden_size, bias=variant.mlp_bias)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -142,7 +142,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, variant_for(architecture, config), max_positions)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
