@@ -52,8 +52,12 @@ class _Timed:
             self.times.append(time.perf_counter() - started)
 
 
+_RNG = random.Random(0)
+
+
 def _add_requests(engine: LLMEngine, batch: int, context: int, max_tokens: int) -> None:
-    rng = random.Random(batch)
+    """B new random prompts (never seen before: no prefix cache hits)."""
+    rng = _RNG
     vocab = engine.executor.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(batch):
@@ -93,13 +97,20 @@ def measure(engine: LLMEngine, batch: int, context: int, steps: int) -> dict[str
     }
 
 
+def _prefill(engine: LLMEngine, batch: int, context: int, steps: int) -> None:
+    """Add B requests and step until a step is a pure decode step of B tokens."""
+    _add_requests(engine, batch, context, steps + 8)
+    while True:
+        engine.step()
+        if engine.stats().last_num_batched_tokens == batch:
+            return
+
+
 def op_table(engine: LLMEngine, batch: int, context: int, steps: int = 5) -> str:
     """torch.profiler over `steps` decode steps of B sequences: top ops and ops per step."""
     from torch.profiler import ProfilerActivity, profile
 
-    _add_requests(engine, batch, context, steps + 3)
-    for _ in range(3):  # prefill (+ a decode step)
-        engine.step()
+    _prefill(engine, batch, context, steps)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             engine.step()
@@ -112,9 +123,7 @@ def op_table(engine: LLMEngine, batch: int, context: int, steps: int = 5) -> str
 
 
 def python_profile(engine: LLMEngine, batch: int, context: int, steps: int = 30) -> str:
-    _add_requests(engine, batch, context, steps + 3)
-    for _ in range(3):
-        engine.step()
+    _prefill(engine, batch, context, steps)
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(steps):

@@ -53,23 +53,28 @@ class PagedAttention(nn.Module):
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """One query per sequence against its cached keys, as two batched matmuls.
 
-        The blocks in use are gathered once ([D, L, Hkv, hd], L = the longest context rounded
-        to blocks) and the query heads sharing a KV head become that head's query rows.
-        Scores are scaled, masked and widened in one op (float32 softmax). Plain matmuls:
-        SDPA's CPU kernel costs ~10x more on these tiny problems. Returns [D, heads, hd].
+        The blocks in use are gathered once ([D, L * Hkv, hd], L = the longest context
+        rounded to blocks) and used in that layout: every query head meets every KV head
+        (Hkv times the FLOPs of tiny products) and the matching pairs are read off a
+        diagonal view, which avoids relaying the gathered K and V out head-major (two
+        copies of the whole context per layer, ~20% of a 64-sequence step). Scores are
+        scaled, masked and widened in one op (float32 softmax). Returns [D, heads, hd].
         """
         tables = meta.decode_block_tables
         num_seqs, num_blocks = tables.shape
         length = num_blocks * self.k_cache.shape[1]
+        hkv, group = self.num_kv_heads, self.num_heads // self.num_kv_heads
         flat_tables = tables.view(-1)
-        shape = (num_seqs, length, self.num_kv_heads, self.head_dim)
-        k = self.k_cache.index_select(0, flat_tables).view(shape).permute(0, 2, 3, 1)
-        v = self.v_cache.index_select(0, flat_tables).view(shape).transpose(1, 2)
-        q = q.view(num_seqs, self.num_kv_heads, -1, self.head_dim)
-        # mask + scale * scores, in float32: [D, Hkv, G, L]
-        scores = torch.add(meta.decode_mask, torch.matmul(q, k), alpha=self.scale)
+        k = self.k_cache.index_select(0, flat_tables).view(num_seqs, length * hkv, -1)
+        v = self.v_cache.index_select(0, flat_tables).view(num_seqs, length * hkv, -1)
+        all_pairs = torch.bmm(q, k.transpose(1, 2)).view(num_seqs, hkv, group, length, hkv)
+        scores = all_pairs.diagonal(dim1=1, dim2=4).permute(0, 3, 1, 2)  # [D, Hkv, G, L]
+        # mask + scale * scores, in float32
+        scores = torch.add(meta.decode_mask, scores, alpha=self.scale)
         probs = scores.softmax(dim=-1).to(v.dtype)
-        return torch.matmul(probs, v).view(num_seqs, self.num_heads, self.head_dim)
+        spread = probs.new_zeros(num_seqs, hkv, group, length, hkv)
+        spread.diagonal(dim1=1, dim2=4).copy_(probs.permute(0, 2, 3, 1))
+        return torch.bmm(spread.view(num_seqs, self.num_heads, length * hkv), v)
 
     def _prefill(
         self,
