@@ -33,8 +33,9 @@ class EngineThread:
     it must only hand them over (e.g. `loop.call_soon_threadsafe`), never block.
     """
 
-    def __init__(self, engine: LLMEngine, on_outputs: OutputsCallback,
-                 on_reject: RejectCallback) -> None:
+    def __init__(
+        self, engine: LLMEngine, on_outputs: OutputsCallback, on_reject: RejectCallback
+    ) -> None:
         self.engine = engine
         self._on_outputs = on_outputs
         self._on_reject = on_reject

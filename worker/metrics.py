@@ -47,7 +47,9 @@ class WorkerMetricsRecorder:
         m.num_waiting.set(stats.num_waiting)
         m.preemptions.inc(max(stats.num_preemptions_total - self._last.num_preemptions_total, 0))
         m.prefix_cache_queries.inc(
-            max(stats.num_prefix_query_tokens - self._last.num_prefix_query_tokens, 0))
+            max(stats.num_prefix_query_tokens - self._last.num_prefix_query_tokens, 0)
+        )
         m.prefix_cache_hits.inc(
-            max(stats.num_prefix_hit_tokens - self._last.num_prefix_hit_tokens, 0))
+            max(stats.num_prefix_hit_tokens - self._last.num_prefix_hit_tokens, 0)
+        )
         self._last = stats

@@ -52,8 +52,14 @@ def tiny_model_dirs(tiny_models_root: Path) -> dict[str, Path]:
 
 
 def make_engine(model_dir: Path, **overrides: object) -> LLMEngine:
-    config = EngineConfig(model=str(model_dir), dtype="float32", device="cpu",
-                          kv_cache_size_mb=4, max_num_batched_tokens=256, num_threads=1)
+    config = EngineConfig(
+        model=str(model_dir),
+        dtype="float32",
+        device="cpu",
+        kv_cache_size_mb=4,
+        max_num_batched_tokens=256,
+        num_threads=1,
+    )
     for key, value in overrides.items():
         setattr(config, key, value)
     return LLMEngine(config)

@@ -27,16 +27,20 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) ->
     outputs = []
     for prompt in prompts:
         input_ids = torch.tensor([prompt])
-        ids = model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
-                             max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
-        outputs.append(ids[0, len(prompt):].tolist())
+        ids = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        outputs.append(ids[0, len(prompt) :].tolist())
     return outputs
 
 
 def random_prompts(count: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(3, 256) for _ in range(lengths[i % len(lengths)])]
-            for i in range(count)]
+    return [[rng.randrange(3, 256) for _ in range(lengths[i % len(lengths)])] for i in range(count)]
 
 
 def token_ids(results: list) -> list[list[int]]:
@@ -44,8 +48,9 @@ def token_ids(results: list) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-def test_greedy_equals_transformers_in_a_mixed_batch(family: str, tiny_model_dirs: dict,
-                                                    engines: list[LLMEngine]) -> None:
+def test_greedy_equals_transformers_in_a_mixed_batch(
+    family: str, tiny_model_dirs: dict, engines: list[LLMEngine]
+) -> None:
     prompts = random_prompts(6, [1, 7, 16, 17, 40, 95], seed=1)
     engine = make_engine(tiny_model_dirs[family], max_num_batched_tokens=64)
     engines.append(engine)
@@ -54,7 +59,8 @@ def test_greedy_equals_transformers_in_a_mixed_batch(family: str, tiny_model_dir
 
 
 def test_one_request_is_the_same_alone_in_a_batch_cached_and_preempted(
-        tiny_model_dirs: dict, engines: list[LLMEngine]) -> None:
+    tiny_model_dirs: dict, engines: list[LLMEngine]
+) -> None:
     model_dir = tiny_model_dirs["llama"]
     target = random_prompts(1, [33], seed=7)[0]
     alone_engine = make_engine(model_dir)
@@ -66,8 +72,13 @@ def test_one_request_is_the_same_alone_in_a_batch_cached_and_preempted(
     others[3] = target[:16] + others[3]
     rng = random.Random(9)
     params = [GREEDY] + [
-        replace(GREEDY, temperature=rng.choice([0.0, 0.7, 1.0]), top_p=0.9, seed=i,
-                max_tokens=rng.randint(4, 24))
+        replace(
+            GREEDY,
+            temperature=rng.choice([0.0, 0.7, 1.0]),
+            top_p=0.9,
+            seed=i,
+            max_tokens=rng.randint(4, 24),
+        )
         for i in range(15)
     ]
     for caching in (True, False):
@@ -88,8 +99,9 @@ def test_one_request_is_the_same_alone_in_a_batch_cached_and_preempted(
     assert batched[0].outputs[0].token_ids == alone
 
 
-def test_seeded_sampling_is_reproducible_and_n_fans_out(tiny_model_dirs: dict,
-                                                       engines: list[LLMEngine]) -> None:
+def test_seeded_sampling_is_reproducible_and_n_fans_out(
+    tiny_model_dirs: dict, engines: list[LLMEngine]
+) -> None:
     engine = make_engine(tiny_model_dirs["qwen2"])
     engines.append(engine)
     llm = LLM(engine=engine)
@@ -136,8 +148,9 @@ def test_abort_frees_blocks_at_once(tiny_model_dirs: dict, engines: list[LLMEngi
     assert llm.generate([prompt], GREEDY)[0].outputs[0].finish_reason == "length"
 
 
-def test_requests_that_do_not_fit_are_refused(tiny_model_dirs: dict,
-                                              engines: list[LLMEngine]) -> None:
+def test_requests_that_do_not_fit_are_refused(
+    tiny_model_dirs: dict, engines: list[LLMEngine]
+) -> None:
     engine = make_engine(tiny_model_dirs["llama"], max_model_len=64)
     engines.append(engine)
     with pytest.raises(InvalidRequestError, match="maximum context length is 64"):

@@ -24,8 +24,9 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def engine() -> LLMEngine:
-    config = EngineConfig(model=DEFAULT_MODEL_NAME, dtype="float32", device="cpu",
-                          kv_cache_size_mb=64)
+    config = EngineConfig(
+        model=DEFAULT_MODEL_NAME, dtype="float32", device="cpu", kv_cache_size_mb=64
+    )
     return LLMEngine(config)
 
 
@@ -44,16 +45,18 @@ def test_greedy_equals_transformers_on_the_default_model(engine: LLMEngine) -> N
     for result in results:
         prompt = torch.tensor([result.prompt_token_ids])
         # An explicit mask: the pad id (2) is also <|im_end|>, which chat prompts contain.
-        expected = reference.generate(prompt, attention_mask=torch.ones_like(prompt),
-                                      max_new_tokens=32, do_sample=False)[0, prompt.shape[1]:].tolist()
+        expected = reference.generate(
+            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=32, do_sample=False
+        )[0, prompt.shape[1] :].tolist()
         assert result.outputs[0].token_ids == expected
     assert engine.block_manager.num_used_blocks == 0
 
 
 def test_chat_answers_and_stops_at_end_of_turn(engine: LLMEngine) -> None:
     llm = LLM(engine=engine)
-    result = llm.chat([{"role": "user", "content": QUESTIONS[0]}],
-                      SamplingParams(temperature=0.0, max_tokens=64))[0]
+    result = llm.chat(
+        [{"role": "user", "content": QUESTIONS[0]}], SamplingParams(temperature=0.0, max_tokens=64)
+    )[0]
     assert "Paris" in result.outputs[0].text
     assert result.outputs[0].finish_reason == "stop"
     assert result.outputs[0].token_ids[-1] in engine.eos_token_ids

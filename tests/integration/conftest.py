@@ -19,8 +19,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture(scope="session", autouse=True)
 def _require_redis() -> None:
     if not redis_available():
-        pytest.fail("integration tests need Redis at LLM_TEST_REDIS_URL "
-                    "(default redis://127.0.0.1:6379/15); .ci/run starts one")
+        pytest.fail(
+            "integration tests need Redis at LLM_TEST_REDIS_URL "
+            "(default redis://127.0.0.1:6379/15); .ci/run starts one"
+        )
 
 
 @pytest.fixture(scope="session")
@@ -32,8 +34,9 @@ def tiny_service_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def service(tiny_service_model: Path, tmp_path_factory: pytest.TempPathFactory
-            ) -> Iterator[Service]:
+def service(
+    tiny_service_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Service]:
     svc = start_service(tiny_service_model, tmp_path_factory.mktemp("logs"), num_workers=1)
     yield svc
     svc.stop()

@@ -32,23 +32,31 @@ def model_id(service: Service) -> str:
     return client_for(service).models.list().data[0].id
 
 
-def test_openai_client_completions_equal_the_offline_engine(service: Service,
-                                                           offline: LLM) -> None:
+def test_openai_client_completions_equal_the_offline_engine(service: Service, offline: LLM) -> None:
     client = client_for(service)
     model = model_id(service)
-    expected = offline.generate(PROMPT, SamplingParams(temperature=0, max_tokens=12,
-                                                       ignore_eos=True))[0].outputs[0]
-    completion = client.completions.create(model=model, prompt=PROMPT, max_tokens=12,
-                                           temperature=0, extra_body={"ignore_eos": True})
+    expected = offline.generate(
+        PROMPT, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    )[0].outputs[0]
+    completion = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert completion.choices[0].text == expected.text
     assert completion.choices[0].finish_reason == "length"
     assert completion.usage.completion_tokens == 12
     assert completion.usage.prompt_tokens == 7
 
-    chunks = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=12,
-                                            temperature=0, stream=True,
-                                            stream_options={"include_usage": True},
-                                            extra_body={"ignore_eos": True}))
+    chunks = list(
+        client.completions.create(
+            model=model,
+            prompt=PROMPT,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == expected.text
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
@@ -57,23 +65,39 @@ def test_openai_client_completions_equal_the_offline_engine(service: Service,
 def test_openai_client_chat_stream_and_not(service: Service, offline: LLM) -> None:
     client = client_for(service)
     model = model_id(service)
-    expected = offline.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=10,
-                                                     ignore_eos=True))[0].outputs[0]
-    chat = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=10,
-                                          temperature=0, extra_body={"ignore_eos": True})
+    expected = offline.chat(
+        MESSAGES, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    )[0].outputs[0]
+    chat = client.chat.completions.create(
+        model=model,
+        messages=MESSAGES,
+        max_tokens=10,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     assert chat.choices[0].message.content == expected.text
     assert chat.choices[0].message.role == "assistant"
-    stream = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=10,
-                                            temperature=0, stream=True,
-                                            extra_body={"ignore_eos": True})
+    stream = client.chat.completions.create(
+        model=model,
+        messages=MESSAGES,
+        max_tokens=10,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     deltas = [c.choices[0].delta.content or "" for c in stream if c.choices]
     assert "".join(deltas) == expected.text
 
 
 def test_job_api_submit_poll_replay_and_resume(service: Service) -> None:
     with service.client() as http:
-        body = {"model": model_id(service), "prompt": PROMPT, "max_tokens": 20,
-                "temperature": 0, "ignore_eos": True}
+        body = {
+            "model": model_id(service),
+            "prompt": PROMPT,
+            "max_tokens": 20,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         created = http.post("/v1/jobs", json={"url": "/v1/completions", "body": body})
         assert created.status_code == 202
         job_id = created.json()["id"]
@@ -90,20 +114,18 @@ def test_job_api_submit_poll_replay_and_resume(service: Service) -> None:
         ids = [e["id"] for e in events]
         assert len(set(ids)) == len(ids)
 
-        resumed = _sse(http, f"/v1/jobs/{job_id}/events",
-                       headers={"Last-Event-ID": ids[5]})
+        resumed = _sse(http, f"/v1/jobs/{job_id}/events", headers={"Last-Event-ID": ids[5]})
         assert [e["id"] for e in resumed] == ids[6:]
-        text = "".join(json.loads(e["data"]).get("text", "") for e in events
-                       if e["event"] == "delta")
+        text = "".join(
+            json.loads(e["data"]).get("text", "") for e in events if e["event"] == "delta"
+        )
         assert text == job["response"]["choices"][0]["text"]
 
 
 def test_delete_cancels_a_running_job_and_frees_its_blocks(service: Service) -> None:
     with service.client() as http:
-        body = {"model": model_id(service), "prompt": PROMPT, "max_tokens": 480,
-                "ignore_eos": True}
-        job_id = http.post("/v1/jobs", json={"url": "/v1/completions",
-                                             "body": body}).json()["id"]
+        body = {"model": model_id(service), "prompt": PROMPT, "max_tokens": 480, "ignore_eos": True}
+        job_id = http.post("/v1/jobs", json={"url": "/v1/completions", "body": body}).json()["id"]
         _wait_status(http, job_id, "in_progress")
         cancelled = http.delete(f"/v1/jobs/{job_id}")
         assert cancelled.status_code == 200
@@ -114,8 +136,13 @@ def test_delete_cancels_a_running_job_and_frees_its_blocks(service: Service) -> 
 
 def test_streaming_client_that_disconnects_frees_its_blocks(service: Service) -> None:
     with service.client() as http:
-        body = {"model": model_id(service), "prompt": PROMPT, "max_tokens": 480,
-                "ignore_eos": True, "stream": True}
+        body = {
+            "model": model_id(service),
+            "prompt": PROMPT,
+            "max_tokens": 480,
+            "ignore_eos": True,
+            "stream": True,
+        }
         with http.stream("POST", "/v1/completions", json=body) as response:
             assert response.status_code == 200
             lines = response.iter_lines()
@@ -174,10 +201,11 @@ def _sse(http: httpx.Client, path: str, headers: dict | None = None) -> list[dic
 def test_a_worker_runs_more_jobs_at_once_than_it_keeps_queued(service: Service) -> None:
     """arq lists running jobs with queued ones; admission must not stall at the queue cap."""
     with service.client() as http:
-        body = {"model": model_id(service), "prompt": PROMPT, "max_tokens": 300,
-                "ignore_eos": True}
-        job_ids = [http.post("/v1/jobs", json={"url": "/v1/completions", "body": body}
-                             ).json()["id"] for _ in range(12)]
+        body = {"model": model_id(service), "prompt": PROMPT, "max_tokens": 300, "ignore_eos": True}
+        job_ids = [
+            http.post("/v1/jobs", json={"url": "/v1/completions", "body": body}).json()["id"]
+            for _ in range(12)
+        ]
         most_running = 0
         deadline = time.monotonic() + 20
         while most_running < 12 and time.monotonic() < deadline:

@@ -22,15 +22,26 @@ from worker.engine.sampling_params import SamplingParams
 @pytest.fixture
 def two_workers(tiny_service_model: Path, tmp_path: Path) -> Iterator[Service]:
     # Small batches so that 20 jobs cannot all sit on one worker.
-    svc = start_service(tiny_service_model, tmp_path / "logs", num_workers=2,
-                        max_batch_size=4, worker_max_queued=2, shutdown_timeout_s=1)
+    svc = start_service(
+        tiny_service_model,
+        tmp_path / "logs",
+        num_workers=2,
+        max_batch_size=4,
+        worker_max_queued=2,
+        shutdown_timeout_s=1,
+    )
     yield svc
     svc.stop()
 
 
 def _submit(http: httpx.Client, max_tokens: int, prompt: str = PROMPT) -> str:
-    body = {"model": _model(http), "prompt": prompt, "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True}
+    body = {
+        "model": _model(http),
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     response = http.post("/v1/jobs", json={"url": "/v1/completions", "body": body})
     assert response.status_code == 202, response.text
     return response.json()["id"]
@@ -47,20 +58,27 @@ def test_jobs_spread_over_workers_and_survive_sigterm(two_workers: Service) -> N
         two_workers.signal_worker(0, signal.SIGTERM)  # mid-load: drains, hands the rest back
         jobs = [_poll(http, job_id, timeout=120) for job_id in job_ids]
     assert [job["status"] for job in jobs] == ["completed"] * 20
-    assert {job["worker_id"] for job in jobs} == {two_workers.worker_id(0),
-                                                  two_workers.worker_id(1)}
+    assert {job["worker_id"] for job in jobs} == {
+        two_workers.worker_id(0),
+        two_workers.worker_id(1),
+    }
     texts = {job["response"]["choices"][0]["text"] for job in jobs}
     assert len(texts) == 1  # same greedy request, same answer, whichever worker ran it
     assert two_workers.workers[0].wait(timeout=30) == 0
 
 
-def test_kill_9_restarts_the_job_on_another_worker(two_workers: Service,
-                                                  tiny_service_model: Path) -> None:
-    expected = LLM(engine=make_engine(tiny_service_model)).generate(
-        PROMPT, SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))[0].outputs[0]
+def test_kill_9_restarts_the_job_on_another_worker(
+    two_workers: Service, tiny_service_model: Path
+) -> None:
+    expected = (
+        LLM(engine=make_engine(tiny_service_model))
+        .generate(PROMPT, SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))[0]
+        .outputs[0]
+    )
     stream_result: dict = {"started": threading.Event()}
-    streamer = threading.Thread(target=_stream_completion, args=(two_workers, stream_result),
-                                daemon=True)
+    streamer = threading.Thread(
+        target=_stream_completion, args=(two_workers, stream_result), daemon=True
+    )
     streamer.start()
     assert stream_result["started"].wait(30), "the streaming request never got headers"
     with two_workers.client() as http:
@@ -90,8 +108,14 @@ def _wait_running_worker(http: httpx.Client, job_id: str) -> int:
 
 def _stream_completion(service: Service, result: dict) -> None:
     """A streaming client of the same request, running through the crash."""
-    body = {"model": "", "prompt": PROMPT, "max_tokens": 400, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+    body = {
+        "model": "",
+        "prompt": PROMPT,
+        "max_tokens": 400,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with httpx.Client(base_url=service.base_url, timeout=60) as http:
         body["model"] = _model(http)
         text = []

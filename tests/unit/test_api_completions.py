@@ -198,8 +198,7 @@ async def test_restart_divergence_ends_stream_with_error() -> None:
         assert "diverged" in chunks[2]["error"]["message"] and chunks[3] == "[DONE]"
 
 
-async def _call_and_disconnect(app, body: dict, after_s: float, started=lambda: True
-                               ) -> list[dict]:
+async def _call_and_disconnect(app, body: dict, after_s: float, started=lambda: True) -> list[dict]:
     """Drive the ASGI app directly; the client disconnects `after_s` after `started()`."""
     import asyncio
     import json
@@ -242,8 +241,12 @@ async def test_disconnect_cancels_job(stream: bool) -> None:
 
     async with harness() as h:
         h.worker.step_s = 0.05
-        await _call_and_disconnect(h.app, {"prompt": "x", "stream": stream}, after_s=0.15,
-                                   started=lambda: bool(h.worker.payloads))
+        await _call_and_disconnect(
+            h.app,
+            {"prompt": "x", "stream": stream},
+            after_s=0.15,
+            started=lambda: bool(h.worker.payloads),
+        )
         job_id = h.worker.payloads[0].id
         for _ in range(100):
             raw = await h.redis.get(h.keys.job(job_id))

@@ -35,21 +35,39 @@ def offenders(package: str, forbidden: tuple[str, ...]) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize(("package", "forbidden"), [
-    ("shared", ("api", "worker", "torch")),
-    ("api", ("worker", "torch")),
-    ("worker/layers", ("worker.engine", "worker.models", "api", "redis", "fastapi")),
-    ("worker/models", ("worker.engine", "api", "redis", "fastapi")),
-    ("worker/engine", ("worker.main", "worker.service", "worker.store", "worker.heartbeat",
-                       "worker.job_state", "worker.metrics", "worker.engine_thread", "api",
-                       "redis", "arq", "fastapi")),
-])
+@pytest.mark.parametrize(
+    ("package", "forbidden"),
+    [
+        ("shared", ("api", "worker", "torch")),
+        ("api", ("worker", "torch")),
+        ("worker/layers", ("worker.engine", "worker.models", "api", "redis", "fastapi")),
+        ("worker/models", ("worker.engine", "api", "redis", "fastapi")),
+        (
+            "worker/engine",
+            (
+                "worker.main",
+                "worker.service",
+                "worker.store",
+                "worker.heartbeat",
+                "worker.job_state",
+                "worker.metrics",
+                "worker.engine_thread",
+                "api",
+                "redis",
+                "arq",
+                "fastapi",
+            ),
+        ),
+    ],
+)
 def test_imports_run_one_way(package: str, forbidden: tuple[str, ...]) -> None:
     assert offenders(package, forbidden) == []
 
 
-@pytest.mark.parametrize("name", ["scheduler", "block_manager", "request", "outputs",
-                                  "sampling_params", "config", "errors"])
+@pytest.mark.parametrize(
+    "name",
+    ["scheduler", "block_manager", "request", "outputs", "sampling_params", "config", "errors"],
+)
 def test_bookkeeping_never_imports_torch(name: str) -> None:
     path = ROOT / "worker" / "engine" / f"{name}.py"
     assert not {n for n in imports_of(path) if n.split(".")[0] == "torch"}
@@ -57,5 +75,8 @@ def test_bookkeeping_never_imports_torch(name: str) -> None:
 
 def test_the_model_runner_never_sees_http_redis_or_the_tokenizer() -> None:
     names = imports_of(ROOT / "worker" / "engine" / "model_runner.py")
-    assert not {n for n in names
-                if n.split(".")[0] in ("redis", "arq", "fastapi") or n == "shared.tokenizer"}
+    assert not {
+        n
+        for n in names
+        if n.split(".")[0] in ("redis", "arq", "fastapi") or n == "shared.tokenizer"
+    }

@@ -17,20 +17,31 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m worker.engine.cli",
         description="Generate text with Ladle's engine in-process (no Redis, no API).",
     )
-    parser.add_argument("--model", default=EngineConfig.model,
-                        help="default model name, a local HF directory, or a .gguf file")
-    parser.add_argument("--prompt", action="append", default=[],
-                        help="prompt text (repeat for a batch); read from stdin if absent")
-    parser.add_argument("--chat", action="store_true",
-                        help="wrap each prompt as a user message and apply the chat template")
+    parser.add_argument(
+        "--model",
+        default=EngineConfig.model,
+        help="default model name, a local HF directory, or a .gguf file",
+    )
+    parser.add_argument(
+        "--prompt",
+        action="append",
+        default=[],
+        help="prompt text (repeat for a batch); read from stdin if absent",
+    )
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="wrap each prompt as a user message and apply the chat template",
+    )
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--n", type=int, default=1)
-    parser.add_argument("--dtype", default="auto",
-                        choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
+    )
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--kv-cache-size-mb", type=int, default=EngineConfig.kv_cache_size_mb)
     return parser
@@ -41,11 +52,23 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     prompts = args.prompt or [sys.stdin.read()]
     started = time.perf_counter()
-    llm = LLM(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
-                           kv_cache_size_mb=args.kv_cache_size_mb))
+    llm = LLM(
+        EngineConfig(
+            model=args.model,
+            dtype=args.dtype,
+            device=args.device,
+            kv_cache_size_mb=args.kv_cache_size_mb,
+        )
+    )
     load_s = time.perf_counter() - started
-    params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed, max_tokens=args.max_tokens)
+    params = SamplingParams(
+        n=args.n,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+    )
     started = time.perf_counter()
     if args.chat:
         results = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
@@ -58,8 +81,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"--- {prompt!r} [{output.index}] ({output.finish_reason})")
             print(output.text)
         num_tokens += result.usage.completion_tokens
-    print(f"--- load {load_s:.2f} s; {num_tokens} tokens in {gen_s:.2f} s "
-          f"({num_tokens / max(gen_s, 1e-9):.1f} tokens/s)", file=sys.stderr)
+    print(
+        f"--- load {load_s:.2f} s; {num_tokens} tokens in {gen_s:.2f} s "
+        f"({num_tokens / max(gen_s, 1e-9):.1f} tokens/s)",
+        file=sys.stderr,
+    )
     return 0
 
 

@@ -88,14 +88,19 @@ class _StepInfo:
 class LLMEngine:
     """Continuous-batching engine over our paged-KV model runner."""
 
-    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None,
-                 executor: Executor | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        tokenizer: Tokenizer | None = None,
+        executor: Executor | None = None,
+    ) -> None:
         self.config = config
         self.executor = executor or build_executor(config)
         self.tokenizer = tokenizer or load_tokenizer(config.model, config.cache_dir)
         # A sequence must fit the cache on its own, or it could never finish.
-        self.max_model_len = min(self.executor.max_model_len,
-                                 self.executor.num_blocks * config.block_size)
+        self.max_model_len = min(
+            self.executor.max_model_len, self.executor.num_blocks * config.block_size
+        )
         self.eos_token_ids = frozenset(self.executor.eos_token_ids) | frozenset(
             self.tokenizer.eos_token_ids
         )
@@ -116,16 +121,26 @@ class LLMEngine:
 
     # ---- input -------------------------------------------------------------------------
 
-    def tokenize(self, prompt: str | list[int] | None = None,
-                 messages: list[dict[str, Any]] | None = None,
-                 add_generation_prompt: bool = True,
-                 chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    def tokenize(
+        self,
+        prompt: str | list[int] | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
         """Prompt text, token ids or chat messages -> token ids (chat template applied)."""
-        return tokenize_prompt(self.tokenizer, prompt, messages, add_generation_prompt,
-                               chat_template_kwargs)
+        return tokenize_prompt(
+            self.tokenizer, prompt, messages, add_generation_prompt, chat_template_kwargs
+        )
 
-    def prepare(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                priority: int = 0, param_name: str = "prompt") -> PreparedRequest:
+    def prepare(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        param_name: str = "prompt",
+    ) -> PreparedRequest:
         """Validate lengths and token ids; resolve the default max_tokens."""
         num_prompt = len(prompt_token_ids)
         if num_prompt == 0:
@@ -141,8 +156,9 @@ class LLMEngine:
             )
         room = self.max_model_len - num_prompt
         if room <= 0 or (params.max_tokens is not None and params.max_tokens > room):
-            raise context_length_error(self.max_model_len, num_prompt, params.max_tokens,
-                                       param_name)
+            raise context_length_error(
+                self.max_model_len, num_prompt, params.max_tokens, param_name
+            )
         max_tokens = params.max_tokens if params.max_tokens is not None else room
         return PreparedRequest(request_id, list(prompt_token_ids), params, max_tokens, priority)
 
@@ -187,8 +203,9 @@ class LLMEngine:
         runner_output = self.executor.execute(scheduler_output)
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs = [self._process(req, runner_output.sampled[req.request_id]) for req in updated]
-        self._last_step = _StepInfo(len(scheduler_output.chunks),
-                                    scheduler_output.num_batched_tokens, started)
+        self._last_step = _StepInfo(
+            len(scheduler_output.chunks), scheduler_output.num_batched_tokens, started
+        )
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -224,8 +241,11 @@ class LLMEngine:
         if finish is not None:
             if seq.detokenizer.stop_reason is None:
                 text += seq.detokenizer.flush()
-            status = (RequestStatus.FINISHED_STOPPED if finish == "stop"
-                      else RequestStatus.FINISHED_LENGTH)
+            status = (
+                RequestStatus.FINISHED_STOPPED
+                if finish == "stop"
+                else RequestStatus.FINISHED_LENGTH
+            )
             self.scheduler.finish_request(request.request_id, status)
             self._forget([request.request_id])
             self._drop_parent_if_done(seq.parent_id)
@@ -241,8 +261,9 @@ class LLMEngine:
             num_cached_tokens=request.num_cached_tokens,
         )
 
-    def _finish_reason(self, request: Request, is_stop_token: bool,
-                       detokenizer: IncrementalDetokenizer) -> str | None:
+    def _finish_reason(
+        self, request: Request, is_stop_token: bool, detokenizer: IncrementalDetokenizer
+    ) -> str | None:
         if is_stop_token or detokenizer.stop_reason is not None:
             return "stop"
         if request.num_output_tokens >= request.max_tokens:

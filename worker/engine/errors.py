@@ -13,8 +13,9 @@ class InvalidRequestError(ValueError):
         self.code = code
 
 
-def context_length_error(max_model_len: int, num_prompt: int, max_tokens: int | None,
-                         param: str = "prompt") -> InvalidRequestError:
+def context_length_error(
+    max_model_len: int, num_prompt: int, max_tokens: int | None, param: str = "prompt"
+) -> InvalidRequestError:
     """OpenAI's wording for a request that does not fit the context window."""
     if max_tokens is None:
         detail = f"However, your prompt has {num_prompt} tokens, leaving no room for a completion."

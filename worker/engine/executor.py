@@ -59,9 +59,12 @@ class TorchExecutor:
         self.runner = ModelRunner(loaded, self.num_blocks, config.block_size, Sampler())
         logger.info(
             "kv cache: %d blocks of %d tokens (%.1f MiB), max_model_len %d, %s %s",
-            self.num_blocks, config.block_size,
-            self.num_blocks * self.kv_bytes_per_block / 2**20, self.max_model_len,
-            self.device, self.dtype,
+            self.num_blocks,
+            config.block_size,
+            self.num_blocks * self.kv_bytes_per_block / 2**20,
+            self.max_model_len,
+            self.device,
+            self.dtype,
         )
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -89,8 +92,10 @@ def _num_blocks(config: EngineConfig, loaded: LoadedModel, bytes_per_block: int)
 def configure_threads(num_threads: int | None) -> None:
     """One intra-op thread per core present (affinity-aware), unless configured."""
     if num_threads is None:
-        num_threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
-            os.cpu_count() or 1
+        num_threads = (
+            len(os.sched_getaffinity(0))
+            if hasattr(os, "sched_getaffinity")
+            else (os.cpu_count() or 1)
         )
     torch.set_num_threads(num_threads)
 
@@ -98,7 +103,8 @@ def configure_threads(num_threads: int | None) -> None:
 def build_executor(config: EngineConfig) -> TorchExecutor:
     configure_threads(config.num_threads)
     started = time.perf_counter()
-    loaded = load_model(config.model, dtype=config.dtype, device=config.device,
-                        cache_dir=config.cache_dir)
+    loaded = load_model(
+        config.model, dtype=config.dtype, device=config.device, cache_dir=config.cache_dir
+    )
     logger.info("model %s loaded in %.2f s", config.model, time.perf_counter() - started)
     return TorchExecutor(config, loaded)

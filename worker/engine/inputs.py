@@ -8,17 +8,21 @@ from shared.tokenizer import Tokenizer
 from worker.engine.errors import InvalidRequestError
 
 
-def tokenize_prompt(tokenizer: Tokenizer, prompt: str | list[int] | None = None,
-                    messages: list[dict[str, Any]] | None = None,
-                    add_generation_prompt: bool = True,
-                    chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+def tokenize_prompt(
+    tokenizer: Tokenizer,
+    prompt: str | list[int] | None = None,
+    messages: list[dict[str, Any]] | None = None,
+    add_generation_prompt: bool = True,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
     """Apply the chat template to messages, or encode the prompt; errors name the field."""
     if messages is not None:
         if not messages:
             raise InvalidRequestError("messages must not be empty", param="messages")
         try:
             return tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt,
+                messages,
+                add_generation_prompt=add_generation_prompt,
                 **(chat_template_kwargs or {}),
             )
         except ValueError as exc:

@@ -48,8 +48,9 @@ class GenerationResult:
 class LLM:
     """The engine driven to completion in the calling thread."""
 
-    def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None,
-                 **overrides: Any) -> None:
+    def __init__(
+        self, config: EngineConfig | None = None, engine: LLMEngine | None = None, **overrides: Any
+    ) -> None:
         if engine is None:
             config = config or EngineConfig()
             for key, value in overrides.items():
@@ -58,36 +59,46 @@ class LLM:
         self.engine = engine
         self._ids = itertools.count()
 
-    def generate(self, prompts: Prompt | list[Prompt],
-                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 priorities: list[int] | None = None) -> list[GenerationResult]:
+    def generate(
+        self,
+        prompts: Prompt | list[Prompt],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        priorities: list[int] | None = None,
+    ) -> list[GenerationResult]:
         """Generate for every prompt (text or token ids); results in prompt order."""
         prompt_list = _as_prompt_list(prompts)
         token_lists = [self.engine.tokenize(prompt=p) for p in prompt_list]
         return self._run(token_lists, sampling_params, priorities)
 
-    def chat(self, conversations: list[dict[str, Any]] | list[list[dict[str, Any]]],
-             sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             ) -> list[GenerationResult]:
+    def chat(
+        self,
+        conversations: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[GenerationResult]:
         """Apply the tokenizer's chat template to each conversation, then generate."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
         token_lists = [self.engine.tokenize(messages=c) for c in conversations]  # type: ignore[arg-type]
         return self._run(token_lists, sampling_params, None)
 
-    def _run(self, token_lists: list[list[int]],
-             sampling_params: SamplingParams | list[SamplingParams] | None,
-             priorities: list[int] | None) -> list[GenerationResult]:
+    def _run(
+        self,
+        token_lists: list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None,
+        priorities: list[int] | None,
+    ) -> list[GenerationResult]:
         params_list = _broadcast(sampling_params or SamplingParams(), len(token_lists))
         results: dict[str, GenerationResult] = {}
         for i, (tokens, params) in enumerate(zip(token_lists, params_list, strict=True)):
             request_id = f"offline-{next(self._ids)}"
-            prepared = self.engine.prepare(request_id, tokens, params,
-                                           priorities[i] if priorities else 0)
+            prepared = self.engine.prepare(
+                request_id, tokens, params, priorities[i] if priorities else 0
+            )
             self.engine.add_request(prepared)
             outputs = [CompletionOutput(index=j) for j in range(params.n)]
-            results[request_id] = GenerationResult(request_id, tokens, outputs,
-                                                   Usage(prompt_tokens=len(tokens)))
+            results[request_id] = GenerationResult(
+                request_id, tokens, outputs, Usage(prompt_tokens=len(tokens))
+            )
         while self.engine.has_unfinished_requests():
             for seq_output in self.engine.step():
                 _accumulate(results[seq_output.request_id], seq_output)
@@ -125,8 +136,10 @@ def _broadcast(params: SamplingParams | list[SamplingParams], count: int) -> lis
     return list(params)
 
 
-def generate(prompts: Prompt | list[Prompt],
-             sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             **config: Any) -> list[GenerationResult]:
+def generate(
+    prompts: Prompt | list[Prompt],
+    sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    **config: Any,
+) -> list[GenerationResult]:
     """One-shot convenience: build an engine from keyword settings and generate."""
     return LLM(EngineConfig(**config)).generate(prompts, sampling_params)

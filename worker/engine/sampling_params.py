@@ -51,8 +51,11 @@ class SamplingParams:
             (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be at least 1"),
             (self.min_tokens >= 0, "min_tokens", "must be at least 0"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
-            (all(-100 <= b <= 100 for b in self.logit_bias.values()), "logit_bias",
-             "values must be in [-100, 100]"),
+            (
+                all(-100 <= b <= 100 for b in self.logit_bias.values()),
+                "logit_bias",
+                "values must be in [-100, 100]",
+            ),
         ]
         for ok, name, message in checks:
             if not ok:
