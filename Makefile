@@ -26,8 +26,8 @@ test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: install
-	$(BIN)/ruff check api worker shared tests loadtest
-	$(BIN)/ruff format --check api worker shared tests loadtest
+	$(BIN)/ruff check api worker shared tests loadtest examples
+	$(BIN)/ruff format --check api worker shared tests loadtest examples
 
 run: install
 	$(BIN)/python -m shared.cli up --workers $(WORKERS)
