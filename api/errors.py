@@ -86,6 +86,16 @@ def redis_unavailable() -> APIError:
 _UNION_TAG = re.compile(r"^(str|int|float|bool|bytes|none|list|dict|tuple|set)$|[\[\-]|^[A-Z]")
 
 
+def model_not_found(name: str) -> APIError:
+    return APIError(
+        404,
+        f"The model `{name}` does not exist.",
+        param="model",
+        error_type="invalid_request_error",
+        code="model_not_found",
+    )
+
+
 def error_param(loc: tuple[Any, ...] | list[Any]) -> str | None:
     """`messages.0.role` from pydantic's loc, cut at the first union tag."""
     parts: list[str] = []

@@ -9,7 +9,7 @@ from fastapi.responses import Response
 
 from api.auth import require_api_key
 from api.completions import complete, parse_body
-from api.errors import APIError
+from api.errors import APIError, model_not_found
 from api.prompting import prompt_token_ids
 from api.protocol import (
     ChatCompletionRequest,
@@ -67,13 +67,7 @@ async def _model_len(services: Services, requested: str | None) -> int | None:
     if name in served:
         return served[name]
     if served or name != services.settings.model_id:
-        raise APIError(
-            404,
-            f"The model `{name}` does not exist.",
-            param="model",
-            error_type="invalid_request_error",
-            code="model_not_found",
-        )
+        raise model_not_found(name)
     return services.settings.max_model_len
 
 

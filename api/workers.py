@@ -6,7 +6,7 @@ import time
 
 from redis.asyncio import Redis
 
-from api.errors import APIError
+from api.errors import APIError, model_not_found
 from shared.contracts import WorkerRecord
 from shared.keys import Keys
 
@@ -58,11 +58,5 @@ class WorkerDirectory:
             )
         name = requested or (default if default in served else next(iter(served)))
         if name not in served:
-            raise APIError(
-                404,
-                f"The model `{name}` does not exist.",
-                param="model",
-                error_type="invalid_request_error",
-                code="model_not_found",
-            )
+            raise model_not_found(name)
         return name, served[name]
