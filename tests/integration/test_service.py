@@ -201,7 +201,7 @@ def _sse(http: httpx.Client, path: str, headers: dict | None = None) -> list[dic
 def test_a_worker_runs_more_jobs_at_once_than_it_keeps_queued(service: Service) -> None:
     """arq lists running jobs with queued ones; admission must not stall at the queue cap."""
     with service.client() as http:
-        body = {"model": model_id(service), "prompt": PROMPT, "max_tokens": 300, "ignore_eos": True}
+        body = {"model": model_id(service), "prompt": PROMPT, "max_tokens": 480, "ignore_eos": True}
         job_ids = [
             http.post("/v1/jobs", json={"url": "/v1/completions", "body": body}).json()["id"]
             for _ in range(12)
@@ -211,8 +211,10 @@ def test_a_worker_runs_more_jobs_at_once_than_it_keeps_queued(service: Service) 
         while most_running < 12 and time.monotonic() < deadline:
             workers = service.live_workers(http)
             most_running = max([most_running] + [w["running"] for w in workers])
-            time.sleep(0.05)
+            time.sleep(0.02)
         for job_id in job_ids:
             http.delete(f"/v1/jobs/{job_id}")
         service.wait_kv_free(http, timeout=2.0)
-    assert most_running == 12  # LLM_WORKER_MAX_QUEUED is 4
+    # Before the fix a worker never ran more than LLM_WORKER_MAX_QUEUED (4) jobs at once;
+    # the first jobs may finish before the last start on an idle machine.
+    assert most_running >= 10
