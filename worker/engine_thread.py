@@ -16,6 +16,10 @@ OutputsCallback = Callable[[list[SequenceOutput]], None]
 RejectCallback = Callable[[str, Exception], None]
 
 
+class EngineStepError(RuntimeError):
+    """A step raised: the requests in it fail (HTTP 500), the engine carries on."""
+
+
 @dataclass
 class _Add:
     prepared: PreparedRequest
@@ -65,12 +69,19 @@ class EngineThread:
                 continue
             try:
                 outputs = self.engine.step()
-            except Exception:  # a bug in a step must not kill the worker silently
-                logger.exception("engine step failed")
-                raise
+            except Exception as exc:  # a bug in a step must not hang or kill the worker
+                logger.exception("engine step failed; failing its requests")
+                self._fail_all(exc)
+                continue
             self.num_steps += 1
             if outputs:
                 self._on_outputs(outputs)
+
+    def _fail_all(self, exc: Exception) -> None:
+        """Abort every request the engine holds and report each as failed by the engine."""
+        for request_id in self.engine.request_ids():
+            self.engine.abort_request(request_id)
+            self._on_reject(request_id, EngineStepError(f"engine step failed: {exc!r}"))
 
     def _drain_commands(self, block: bool) -> None:
         try:

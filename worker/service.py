@@ -23,7 +23,7 @@ from worker.engine.engine import LLMEngine, PreparedRequest, SequenceOutput
 from worker.engine.errors import InvalidRequestError
 from worker.engine.inputs import tokenize_prompt
 from worker.engine.sampling_params import SamplingParams
-from worker.engine_thread import EngineThread
+from worker.engine_thread import EngineStepError, EngineThread
 from worker.job_state import JobState
 from worker.metrics import WorkerMetricsRecorder
 from worker.store import REDIS_DOWN_ERRORS, JobStore
@@ -253,7 +253,10 @@ class WorkerService:
         job = self.jobs.get(request_id)
         if job is None or job.outcome.done():
             return
-        job.error = ErrorEvent(status=400, error_type="invalid_request_error", message=str(exc))
+        if isinstance(exc, EngineStepError):
+            job.error = ErrorEvent(status=500, error_type="server_error", message=str(exc))
+        else:
+            job.error = ErrorEvent(status=400, error_type="invalid_request_error", message=str(exc))
         job.outcome.set_result("rejected")
 
     async def _publish_loop(self) -> None:

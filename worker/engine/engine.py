@@ -208,6 +208,10 @@ class LLMEngine:
         )
         return outputs
 
+    def request_ids(self) -> list[str]:
+        """Ids of the requests the engine holds (each may have several sequences)."""
+        return list(self._children)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
