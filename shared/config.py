@@ -43,7 +43,10 @@ class Settings(BaseSettings):
     block_size: int = Field(16, ge=1)
     enable_prefix_caching: bool = True
     max_model_len: int | None = Field(None, ge=16)
-    num_threads: int | None = Field(None, ge=1)
+    num_threads: int | None = Field(None, ge=1, description="torch threads; default: cores")
+    decode_threads: int | None = Field(
+        None, ge=1, description="CPU threads for decode-only steps; default: half of them"
+    )
     cache_dir: str | None = None
 
     # Worker behaviour

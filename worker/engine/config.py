@@ -21,6 +21,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     cache_dir: str | None = None
     num_threads: int | None = None
+    decode_threads: int | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings) -> EngineConfig:
@@ -37,4 +38,5 @@ class EngineConfig:
             enable_prefix_caching=settings.enable_prefix_caching,
             cache_dir=settings.cache_dir,
             num_threads=settings.num_threads,
+            decode_threads=settings.decode_threads,
         )

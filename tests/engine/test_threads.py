@@ -1,0 +1,38 @@
+"""CPU thread use per step: every thread for prefill, fewer for decode-only steps."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.engine.conftest import make_engine
+from worker.engine.engine import LLMEngine
+from worker.engine.sampling_params import SamplingParams
+
+
+def test_decode_only_steps_use_the_decode_threads(
+    tiny_model_dirs: dict, engines: list[LLMEngine]
+) -> None:
+    before = torch.get_num_threads()
+    try:
+        engine = make_engine(tiny_model_dirs["llama"], num_threads=2, decode_threads=1)
+        engines.append(engine)
+        assert (engine.executor.num_threads, engine.executor.decode_threads) == (2, 1)
+        params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        engine.add_request(engine.prepare("a", [5, 6, 7, 8], params))
+        seen = []
+        while engine.has_unfinished_requests():
+            engine.step()
+            seen.append(torch.get_num_threads())
+        assert seen == [2, 1, 1]  # the prefill step, then two decode steps
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_decode_threads_default_to_half(tiny_model_dirs: dict, engines: list[LLMEngine]) -> None:
+    before = torch.get_num_threads()
+    try:
+        engine = make_engine(tiny_model_dirs["llama"], num_threads=2)
+        engines.append(engine)
+        assert engine.executor.decode_threads == 1
+    finally:
+        torch.set_num_threads(before)
