@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from shared.config import Settings
+from shared.config import settings_with
 from shared.logging import setup_logging
 
 
@@ -23,17 +23,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    overrides = {
-        key: value
-        for key, value in {
-            "host": args.host,
-            "port": args.port,
-            "redis_url": args.redis_url,
-            "log_level": args.log_level,
-        }.items()
-        if value is not None
-    }
-    settings = Settings(**overrides)
+    settings = settings_with(
+        host=args.host, port=args.port, redis_url=args.redis_url, log_level=args.log_level
+    )
     setup_logging(settings.log_level)
     from api.app import create_app
     from api.server import serve

@@ -89,6 +89,11 @@ class Settings(BaseSettings):
         return name.removesuffix(".gguf")
 
 
+def settings_with(**flags: object) -> Settings:
+    """Settings from LLM_* and .env, with the command-line flags that were given on top."""
+    return Settings(**{key: value for key, value in flags.items() if value is not None})
+
+
 @lru_cache(maxsize=1)
 def get_settings() -> Settings:
     return Settings()

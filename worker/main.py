@@ -17,7 +17,7 @@ from arq.worker import Worker, func
 from prometheus_client import start_http_server
 from redis.exceptions import RedisError
 
-from shared.config import Settings, get_settings
+from shared.config import Settings, settings_with
 from shared.contracts import ErrorEvent, JobPayload, WorkerRecord
 from shared.keys import Keys
 from shared.logging import job_id_var, request_id_var, setup_logging
@@ -304,17 +304,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    overrides = {
-        k: v
-        for k, v in {
-            "model_name": args.model,
-            "redis_url": args.redis_url,
-            "worker_id": args.worker_id,
-            "worker_metrics_port": args.metrics_port,
-        }.items()
-        if v is not None
-    }
-    settings = get_settings().model_copy(update=overrides)
+    settings = settings_with(
+        model_name=args.model,
+        redis_url=args.redis_url,
+        worker_id=args.worker_id,
+        worker_metrics_port=args.metrics_port,
+    )
     setup_logging(settings.log_level)
     asyncio.run(WorkerProcess(settings).run())
     return 0
