@@ -84,7 +84,7 @@ def test_kill_9_restarts_the_job_on_another_worker(
     with two_workers.client() as http:
         job_id = stream_result["job_id"]
         victim = _wait_running_worker(http, job_id)
-        time.sleep(0.3)
+        _wait_tokens(stream_result, 3)  # mid-stream, however fast the machine
         two_workers.signal_worker(victim, signal.SIGKILL)
         job = _poll(http, job_id, timeout=60)
         streamer.join(timeout=60)
@@ -106,6 +106,13 @@ def _wait_running_worker(http: httpx.Client, job_id: str) -> int:
     raise AssertionError("job never started")
 
 
+def _wait_tokens(result: dict, count: int) -> None:
+    deadline = time.monotonic() + 10
+    while len(result["chunks"]) < count:
+        assert time.monotonic() < deadline, "the stream never got its first tokens"
+        time.sleep(0.001)
+
+
 def _stream_completion(service: Service, result: dict) -> None:
     """A streaming client of the same request, running through the crash."""
     body = {
@@ -118,7 +125,7 @@ def _stream_completion(service: Service, result: dict) -> None:
     }
     with httpx.Client(base_url=service.base_url, timeout=60) as http:
         body["model"] = _model(http)
-        text = []
+        text = result["chunks"] = []
         with http.stream("POST", "/v1/completions", json=body) as response:
             result["job_id"] = response.headers["X-Job-Id"]
             result["started"].set()
