@@ -47,6 +47,9 @@ class Settings(BaseSettings):
     decode_threads: int | None = Field(
         None, ge=1, description="CPU threads for decode-only steps; default: half of them"
     )
+    cuda_graphs: bool = Field(
+        True, description="replay decode steps as CUDA graphs (CUDA only; off: eager)"
+    )
     cache_dir: str | None = None
 
     # Worker behaviour

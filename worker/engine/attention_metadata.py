@@ -25,20 +25,30 @@ def slots_for(block_ids: list[int], start: int, end: int, block_size: int) -> li
     return [block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)]
 
 
-def _decode_tensors(
-    chunks: list[ScheduledChunk], block_size: int
+def decode_tensors(
+    chunks: list[ScheduledChunk],
+    block_size: int,
+    num_rows: int | None = None,
+    num_blocks: int | None = None,
+    pad_block: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Padded block tables [D, max_blocks] and additive key mask [D, 1, 1, max_blocks * bs]."""
+    """Block tables [R, max_blocks] and additive key mask [R, 1, 1, max_blocks * bs].
+
+    By default R = len(chunks) and max_blocks is the longest context's. A CUDA graph asks for
+    fixed sizes instead: rows past the chunks point every block at `pad_block` and attend to
+    its first slot only (no row is all -inf, so no NaN even in padding).
+    """
     context_lens = [c.start_position + 1 for c in chunks]
     blocks_used = [(n + block_size - 1) // block_size for n in context_lens]
-    max_blocks = max(blocks_used)
+    max_blocks = num_blocks or max(blocks_used)
+    num_pad = (num_rows or len(chunks)) - len(chunks)
     # Padding points at a sequence's first block: any real block, masked out below.
     rows = [
         c.block_ids[:used] + c.block_ids[:1] * (max_blocks - used)
         for c, used in zip(chunks, blocks_used, strict=True)
-    ]
+    ] + [[pad_block] * max_blocks] * num_pad
     tables = torch.tensor(rows, dtype=torch.long)
-    lens = torch.tensor(context_lens, dtype=torch.long)
+    lens = torch.tensor(context_lens + [1] * num_pad, dtype=torch.long)
     padding = torch.arange(max_blocks * block_size)[None, :] >= lens[:, None]
     mask = torch.zeros(padding.shape, dtype=torch.float32).masked_fill_(padding, float("-inf"))
     return tables, mask[:, None, None, :]
@@ -85,7 +95,7 @@ def build_step_inputs(
         slot_mapping=_to(slot_mapping, device), num_decode_tokens=num_decode, prefills=prefills
     )
     if num_decode:
-        tables, mask = _decode_tensors(chunks[:num_decode], block_size)
+        tables, mask = decode_tensors(chunks[:num_decode], block_size)
         metadata.decode_block_tables = tables.to(device, non_blocking=True)
         metadata.decode_mask = mask.to(device, non_blocking=True)
     return StepInputs(

@@ -22,6 +22,7 @@ class EngineConfig:
     cache_dir: str | None = None
     num_threads: int | None = None
     decode_threads: int | None = None
+    cuda_graphs: bool = True
 
     @classmethod
     def from_settings(cls, settings: Settings) -> EngineConfig:
@@ -39,4 +40,5 @@ class EngineConfig:
             cache_dir=settings.cache_dir,
             num_threads=settings.num_threads,
             decode_threads=settings.decode_threads,
+            cuda_graphs=settings.cuda_graphs,
         )

@@ -56,7 +56,15 @@ class TorchExecutor:
         self.num_blocks = _num_blocks(config, loaded, self.kv_bytes_per_block)
         self.device = str(loaded.device)
         self.dtype = str(loaded.dtype).removeprefix("torch.")
-        self.runner = ModelRunner(loaded, self.num_blocks, config.block_size, Sampler())
+        self.runner = ModelRunner(
+            loaded,
+            self.num_blocks,
+            config.block_size,
+            Sampler(),
+            max_model_len=self.max_model_len,
+            max_batch_size=config.max_num_seqs,
+            cuda_graphs=config.cuda_graphs,
+        )
         self.num_threads = torch.get_num_threads()
         # Decode steps read every weight once for little arithmetic: memory-bound, they run
         # as fast on half the cores (measured here: 1 thread 30-35 ms vs 2 threads 37-45 ms

@@ -7,6 +7,7 @@ from typing import Protocol
 import torch
 
 from worker.engine.attention_metadata import build_step_inputs
+from worker.engine.cuda_graphs import CudaGraphBackend, DecodeGraphs
 from worker.engine.kv_cache import KVCache, allocate_kv_cache, bind_kv_cache
 from worker.engine.outputs import ModelRunnerOutput, SampledToken, SchedulerOutput
 from worker.engine.request import Request
@@ -30,24 +31,52 @@ class ModelRunner:
     """
 
     def __init__(
-        self, loaded: LoadedModel, num_blocks: int, block_size: int, sampler: SamplerLike
+        self,
+        loaded: LoadedModel,
+        num_blocks: int,
+        block_size: int,
+        sampler: SamplerLike,
+        max_model_len: int | None = None,
+        max_batch_size: int = 64,
+        cuda_graphs: bool = True,
     ) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.device
         self.block_size = block_size
         self.sampler = sampler
+        # One block more than the block manager knows of: padded rows of a CUDA graph write
+        # their K/V there.
+        self.scratch_block = num_blocks
         self.kv_cache: KVCache = allocate_kv_cache(
-            loaded.hf_config, num_blocks, block_size, loaded.dtype, loaded.device
+            loaded.hf_config, num_blocks + 1, block_size, loaded.dtype, loaded.device
         )
         bind_kv_cache(self.model, self.kv_cache)
         # CPU bf16: weights reordered once for oneDNN (bitwise equal, faster small batches).
         self.num_prepacked = prepack_linears(self.model)
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graphs and self.device.type == "cuda":
+            self.graphs = DecodeGraphs(
+                self.model,
+                block_size,
+                max_model_len or loaded.max_model_len,
+                max_batch_size,
+                self.scratch_block,
+                self.device,
+                CudaGraphBackend(self.device),
+            )
 
     @torch.inference_mode()
     def compute_logits(self, scheduler_output: SchedulerOutput) -> torch.Tensor:
         """Float32 logits [S, vocab], one row per sampling chunk, in chunk order."""
-        inputs = build_step_inputs(scheduler_output.chunks, self.block_size, self.device)
+        chunks = scheduler_output.chunks
+        if self.graphs is not None and self.graphs.supports(chunks):
+            hidden = self.graphs.run(chunks)
+            sampling = [i for i, c in enumerate(chunks) if c.is_sampling]
+            if len(sampling) < len(chunks):
+                hidden = hidden[torch.tensor(sampling, dtype=torch.long, device=self.device)]
+            return self.model.compute_logits(hidden)
+        inputs = build_step_inputs(chunks, self.block_size, self.device)
         set_attention_metadata(inputs.metadata)
         try:
             hidden = self.model(inputs.input_ids, inputs.positions)
