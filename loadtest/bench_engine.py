@@ -2,6 +2,7 @@
 
     .venv/bin/python -m loadtest.bench_engine [--dtype auto] [--num-prompts 64]
         [--input-len 128] [--output-len 128] [--hf-requests 4] [--json OUT]
+        [--device cpu|cuda|auto] [--no-cuda-graphs]
 
 Every prompt is `input_len` random token ids; every request generates exactly `output_len`
 tokens (greedy, ignore_eos). Reported:
@@ -65,18 +66,22 @@ def bench_single(llm: LLM, prompt: list[int], output_len: int) -> float:
 
 
 def bench_transformers(
-    model_dir: str, prompts: list[list[int]], output_len: int, dtype: torch.dtype
+    model_dir: str,
+    prompts: list[list[int]],
+    output_len: int,
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> dict[str, float]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
     model.generation_config.eos_token_id = None  # generate exactly output_len tokens
     model.generation_config.pad_token_id = 0
-    warm = torch.tensor([prompts[0][:8]])
+    warm = torch.tensor([prompts[0][:8]], device=device)
     model.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=2, do_sample=False)
     started = time.perf_counter()
     for prompt in prompts:
-        ids = torch.tensor([prompt])
+        ids = torch.tensor([prompt], device=device)
         out = model.generate(
             ids,
             attention_mask=torch.ones_like(ids),
@@ -108,25 +113,33 @@ def main() -> None:
     )
     parser.add_argument("--kv-cache-mb", type=int, default=1024)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
+    parser.add_argument(
+        "--no-cuda-graphs", action="store_true", help="CUDA: run decode steps eagerly"
+    )
     parser.add_argument("--json", default=None, help="write the figures here")
     args = parser.parse_args()
 
     config = EngineConfig(
         model=args.model,
         dtype=args.dtype,
-        device="cpu",
+        device=args.device,
         kv_cache_size_mb=args.kv_cache_mb,
         num_threads=args.threads,
         max_num_seqs=max(64, args.num_prompts),
+        cuda_graphs=not args.no_cuda_graphs,
     )
     llm = LLM(config)
     executor = llm.engine.executor
     model = executor.loaded.model
     dtype = executor.loaded.dtype
+    device = executor.loaded.device
     vocab = executor.vocab_size
     report: dict[str, Any] = {
         "model": args.model,
         "dtype": str(dtype).removeprefix("torch."),
+        "device": str(device),
+        "cuda_graphs": executor.runner.graphs is not None,
         "threads": torch.get_num_threads(),
         "num_prompts": args.num_prompts,
         "input_len": args.input_len,
@@ -134,7 +147,8 @@ def main() -> None:
         "load_average_before": os.getloadavg(),
     }
     print(
-        f"{args.model} {report['dtype']} threads={report['threads']} "
+        f"{args.model} {report['dtype']} {report['device']} "
+        f"cuda_graphs={report['cuda_graphs']} threads={report['threads']} "
         f"load={report['load_average_before']}"
     )
     warm = random_prompts(4, args.input_len, vocab, seed=1)
@@ -151,7 +165,7 @@ def main() -> None:
     )
     print(f"engine single-request decode: {single:.1f} tokens/s")
 
-    gemm = measure(model_shapes(model), dtype, batch=min(64, args.num_prompts))
+    gemm = measure(model_shapes(model), dtype, batch=min(64, args.num_prompts), device=device)
     report["gemm"] = {
         "tflops": gemm.tflops,
         "matmul_params": gemm.matmul_params,
@@ -166,7 +180,7 @@ def main() -> None:
 
     if args.hf_requests:
         hf = bench_transformers(
-            str(hf_dir_for(args.model)), prompts[: args.hf_requests], args.output_len, dtype
+            str(hf_dir_for(args.model)), prompts[: args.hf_requests], args.output_len, dtype, device
         )
         ratio = engine["tokens_per_s"] / hf["tokens_per_s"]
         report["transformers"] = hf | {"extrapolated": args.hf_requests < args.num_prompts}

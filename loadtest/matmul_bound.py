@@ -59,23 +59,30 @@ def model_shapes(model: torch.nn.Module) -> dict[str, tuple[int, int, int]]:
 
 
 def measure(
-    shapes: dict[str, tuple[int, int, int]], dtype: torch.dtype, batch: int, repeats: int = 5
+    shapes: dict[str, tuple[int, int, int]],
+    dtype: torch.dtype,
+    batch: int,
+    repeats: int = 5,
+    device: str | torch.device = "cpu",
 ) -> GemmResult:
     """Best-of-`repeats` time of one forward's worth of GEMMs at `batch` rows."""
     torch.manual_seed(0)
     cases = []
     for in_f, out_f, count in shapes.values():
-        x = torch.randn(batch, in_f, dtype=dtype)
-        w = torch.randn(out_f, in_f, dtype=dtype)
+        x = torch.randn(batch, in_f, dtype=dtype, device=device)
+        w = torch.randn(out_f, in_f, dtype=dtype, device=device)
         cases.append((x, w, count))
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else lambda: None
     for x, w, _ in cases:  # warm-up: kernel selection and caches
         F.linear(x, w)
+    sync()
     total = 0.0
     for x, w, count in cases:
         best = float("inf")
         for _ in range(repeats):
             started = time.perf_counter()
             F.linear(x, w)
+            sync()
             best = min(best, time.perf_counter() - started)
         total += best * count
     flops = sum(2 * batch * i * o * c for i, o, c in shapes.values())

@@ -3,6 +3,7 @@ every KV block is free when a test ends."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +14,10 @@ from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
 
 TINY_VOCAB = 256
+# `LADLE_TEST_DEVICE=cuda pytest tests/engine` runs the engine tests on a GPU (CUDA graphs
+# on); references stay transformers on the CPU in float32.
+TEST_DEVICE = os.environ.get("LADLE_TEST_DEVICE", "cpu")
+cpu_only = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="checks a CPU-only mechanism")
 
 
 def add_tiny_tokenizer(model_dir: Path, vocab_size: int = TINY_VOCAB) -> None:
@@ -55,7 +60,7 @@ def make_engine(model_dir: Path, **overrides: object) -> LLMEngine:
     config = EngineConfig(
         model=str(model_dir),
         dtype="float32",
-        device="cpu",
+        device=TEST_DEVICE,
         kv_cache_size_mb=4,
         max_num_batched_tokens=256,
         num_threads=1,

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.engine.conftest import TEST_DEVICE
 from tests.engine.tiny_models import (
     FAMILIES,
     ArgmaxSampler,
@@ -42,7 +43,9 @@ def model_dirs(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def loaded(model_dirs) -> dict[str, LoadedModel]:
-    return {f: load_model(str(d), dtype="float32", device="cpu") for f, d in model_dirs.items()}
+    return {
+        f: load_model(str(d), dtype="float32", device=TEST_DEVICE) for f, d in model_dirs.items()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +68,10 @@ def _prompt(length: int, seed: int) -> list[int]:
     return [rng.randrange(3, 256) for _ in range(length)]
 
 
+def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    torch.testing.assert_close(actual.cpu(), expected, atol=ATOL, rtol=0)
+
+
 @torch.no_grad()
 def _reference_logits(reference, token_ids: list[int]) -> torch.Tensor:
     """transformers' logits at every position of `token_ids` [len, vocab]."""
@@ -81,7 +88,7 @@ def test_prefill_logits_match_transformers(family, loaded, references):
     assert logits.dtype == torch.float32 and logits.shape == (3, 256)
     for row, prompt in enumerate(prompts):
         expected = _reference_logits(references[family], prompt)[-1]
-        torch.testing.assert_close(logits[row], expected, atol=ATOL, rtol=0)
+        _close(logits[row], expected)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -97,7 +104,7 @@ def test_chunked_prefill_then_decode_matches_full_forward(family, loaded, refere
         all_logits.append(runner.compute_logits(batch.step([batch.chunk(request, 1)]))[0])
     expected = _reference_logits(references[family], request.all_token_ids)
     assert batch.tables["a"] != sorted(batch.tables["a"])  # non-contiguous blocks
-    torch.testing.assert_close(torch.stack(all_logits), expected[20:], atol=ATOL, rtol=0)
+    _close(torch.stack(all_logits), expected[20:])
 
 
 def _prefill_alone(runner: ModelRunner, batch: ManualBatch, request) -> int:
@@ -127,9 +134,9 @@ def test_mixed_batch_matches_each_sequence_alone(family, loaded, references):
         alone_logits = alone_runner.compute_logits(
             alone_batch.step([alone_batch.chunk(alone, alone.num_tokens)])
         )[0]
-        torch.testing.assert_close(mixed[row], alone_logits, atol=ATOL, rtol=0)
+        _close(mixed[row], alone_logits.cpu())
         expected = _reference_logits(references[family], request.all_token_ids)[-1]
-        torch.testing.assert_close(mixed[row], expected, atol=ATOL, rtol=0)
+        _close(mixed[row], expected)
 
 
 def _greedy_with_runner(runner: ModelRunner, prompts: list[list[int]], steps: int) -> list:
@@ -187,7 +194,7 @@ def test_rope_scaling_matches_transformers(case, tmp_path):
 
     params = {"rope_theta": 10000.0, **ROPE_CASES[case]}
     model_dir = tiny_model_dir("llama", tmp_path, rope_parameters=params)
-    ours = load_model(str(model_dir), dtype="float32", device="cpu")
+    ours = load_model(str(model_dir), dtype="float32", device=TEST_DEVICE)
     config = ours.hf_config
     inv_freq, scale = compute_inv_freq(rope_parameters(config), 16, 512)
     expected_inv_freq, expected_scale = ROPE_INIT_FUNCTIONS[case](config, "cpu")
@@ -199,11 +206,11 @@ def test_rope_scaling_matches_transformers(case, tmp_path):
     runner.compute_logits(batch.step([batch.chunk(request, 200)]))
     logits = runner.compute_logits(batch.step([batch.chunk(request, 100)]))[0]
     expected = _reference_logits(reference_model(model_dir), request.all_token_ids)[-1]
-    torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
+    _close(logits, expected)
 
 
 def test_bfloat16_runs_close_to_float32(model_dirs, loaded):
-    bf16 = load_model(str(model_dirs["llama"]), dtype="bfloat16", device="cpu")
+    bf16 = load_model(str(model_dirs["llama"]), dtype="bfloat16", device=TEST_DEVICE)
     assert next(bf16.model.parameters()).dtype == torch.bfloat16
     prompt = _prompt(24, seed=9)
     results = []

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from shared.model_files import DEFAULT_MODEL_NAME, converted_dir, resolve_model
+from tests.engine.conftest import TEST_DEVICE
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
 from worker.engine.offline import LLM
@@ -25,7 +26,7 @@ QUESTIONS = [
 @pytest.fixture(scope="module")
 def engine() -> LLMEngine:
     config = EngineConfig(
-        model=DEFAULT_MODEL_NAME, dtype="float32", device="cpu", kv_cache_size_mb=64
+        model=DEFAULT_MODEL_NAME, dtype="float32", device=TEST_DEVICE, kv_cache_size_mb=64
     )
     return LLMEngine(config)
 

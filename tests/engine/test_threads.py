@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from tests.engine.conftest import make_engine
+from tests.engine.conftest import cpu_only, make_engine
 from worker.engine.engine import LLMEngine
 from worker.engine.sampling_params import SamplingParams
+
+pytestmark = cpu_only
 
 
 def test_decode_only_steps_use_the_decode_threads(
