@@ -92,7 +92,7 @@ def test_kv_cache_sizes():
     assert num_blocks_for(512, smollm_like, 16, torch.bfloat16) == 512 * 2**20 // per_block
     cache = allocate_kv_cache(smollm_like, 10, 16, torch.float32, torch.device("cpu"))
     assert len(cache.k_caches) == len(cache.v_caches) == 30
-    assert cache.k_caches[0].shape == (10, 16, 3, 64)
+    assert cache.k_caches[0].shape == (3, 10, 16, 64)  # head-major
     assert cache.num_bytes == 10 * kv_bytes_per_block(smollm_like, 16, torch.float32)
 
 

@@ -32,7 +32,7 @@ def decode_tensors(
     num_blocks: int | None = None,
     pad_block: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block tables [R, max_blocks] and additive key mask [R, 1, 1, max_blocks * bs].
+    """Block tables [R, max_blocks] and additive key mask [R, 1, max_blocks * bs].
 
     By default R = len(chunks) and max_blocks is the longest context's. A CUDA graph asks for
     fixed sizes instead: rows past the chunks point every block at `pad_block` and attend to
@@ -51,7 +51,7 @@ def decode_tensors(
     lens = torch.tensor(context_lens + [1] * num_pad, dtype=torch.long)
     padding = torch.arange(max_blocks * block_size)[None, :] >= lens[:, None]
     mask = torch.zeros(padding.shape, dtype=torch.float32).masked_fill_(padding, float("-inf"))
-    return tables, mask[:, None, None, :]
+    return tables, mask[:, None, :]
 
 
 def _prefill_meta(

@@ -1,7 +1,9 @@
 """The paged KV cache: preallocated per-layer K and V tensors of fixed-size blocks.
 
-Layout per layer: [num_blocks, block_size, num_kv_heads, head_dim]. A token at position p of
-a sequence lives in slot `block_ids[p // block_size] * block_size + p % block_size`.
+Layout per layer: [num_kv_heads, num_blocks, block_size, head_dim] (head-major: a step's
+gathered blocks are ready for batched matmuls per head). A token at position p of a
+sequence lives in slot `block_ids[p // block_size] * block_size + p % block_size` of every
+head.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ def allocate_kv_cache(
 ) -> KVCache:
     num_layers, num_kv_heads, head_dim = _kv_shape(hf_config)
     storage = torch.zeros(
-        2, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device
+        2, num_layers, num_kv_heads, num_blocks, block_size, head_dim, dtype=dtype, device=device
     )
     return KVCache(
         k_caches=list(storage[0].unbind(0)),

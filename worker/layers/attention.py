@@ -10,8 +10,10 @@ from worker.layers.context import AttentionMetadata, PrefillChunkMeta, get_atten
 
 
 class PagedAttention(nn.Module):
-    """Attention over a paged cache of shape [num_blocks, block_size, num_kv_heads, head_dim].
+    """Attention over a paged cache of shape [num_kv_heads, num_blocks, block_size, head_dim].
 
+    Head-major, so the blocks of one head gathered for a step are already in the layout
+    batched matmuls and SDPA want ([heads, tokens, head_dim]): no relayout of the context.
     The runner binds `k_cache` and `v_cache` after allocating them. Inputs are flat:
     q [T, num_heads, head_dim], k and v [T, num_kv_heads, head_dim]; out like q.
     """
@@ -29,10 +31,11 @@ class PagedAttention(nn.Module):
         meta = get_attention_metadata()
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("KV cache not bound to the attention layer")
-        k_flat = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
-        v_flat = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
-        k_flat.index_copy_(0, meta.slot_mapping, k)
-        v_flat.index_copy_(0, meta.slot_mapping, v)
+        # [Hkv, num_blocks * block_size, hd]: slot s of every head
+        k_slots = self.k_cache.view(self.num_kv_heads, -1, self.head_dim)
+        v_slots = self.v_cache.view(self.num_kv_heads, -1, self.head_dim)
+        k_slots.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+        v_slots.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
         num_decode = meta.num_decode_tokens
         if num_decode == q.shape[0]:  # a decode-only step: no output buffer, no copy
             return self._decode(q, meta)
@@ -41,7 +44,7 @@ class PagedAttention(nn.Module):
             out[:num_decode] = self._decode(q[:num_decode], meta)
         for chunk in meta.prefills:
             rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
-            out[rows] = self._prefill(q[rows], k[rows], v[rows], k_flat, v_flat, chunk)
+            out[rows] = self._prefill(q[rows], k[rows], v[rows], k_slots, v_slots, chunk)
         return out
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
@@ -53,36 +56,34 @@ class PagedAttention(nn.Module):
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """One query per sequence against its cached keys, as two batched matmuls.
 
-        The blocks in use are gathered once ([D, L * Hkv, hd], L = the longest context
-        rounded to blocks) and used in that layout: every query head meets every KV head
-        (Hkv times the FLOPs of tiny products) and the matching pairs are read off a
-        diagonal view, which avoids relaying the gathered K and V out head-major (two
-        copies of the whole context per layer, ~20% of a 64-sequence step). Scores are
-        scaled, masked and widened in one op (float32 softmax). Returns [D, heads, hd].
+        The blocks in use are gathered once per head: [Hkv, D * blocks, bs, hd] is
+        [Hkv * D, L, hd] (L = the longest context rounded to blocks) without a copy, so each
+        KV head meets exactly its group of query heads. Scores are scaled, masked and widened
+        in one op (float32 softmax). Returns [D, heads, hd].
         """
         tables = meta.decode_block_tables
         num_seqs, num_blocks = tables.shape
-        length = num_blocks * self.k_cache.shape[1]
+        length = num_blocks * self.k_cache.shape[2]
         hkv, group = self.num_kv_heads, self.num_heads // self.num_kv_heads
         flat_tables = tables.view(-1)
-        k = self.k_cache.index_select(0, flat_tables).view(num_seqs, length * hkv, -1)
-        v = self.v_cache.index_select(0, flat_tables).view(num_seqs, length * hkv, -1)
-        all_pairs = torch.bmm(q, k.transpose(1, 2)).view(num_seqs, hkv, group, length, hkv)
-        scores = all_pairs.diagonal(dim1=1, dim2=4).permute(0, 3, 1, 2)  # [D, Hkv, G, L]
-        # mask + scale * scores, in float32
+        k = self.k_cache.index_select(1, flat_tables).view(hkv * num_seqs, length, -1)
+        v = self.v_cache.index_select(1, flat_tables).view(hkv * num_seqs, length, -1)
+        # [D, Hkv * G, hd] -> [Hkv * D, G, hd] (a small copy: one row per sequence)
+        q = q.view(num_seqs, hkv, group, -1).transpose(0, 1).reshape(hkv * num_seqs, group, -1)
+        scores = torch.bmm(q, k.transpose(1, 2)).view(hkv, num_seqs, group, length)
+        # mask [D, 1, L] + scale * scores, in float32
         scores = torch.add(meta.decode_mask, scores, alpha=self.scale)
-        probs = scores.softmax(dim=-1).to(v.dtype)
-        spread = probs.new_zeros(num_seqs, hkv, group, length, hkv)
-        spread.diagonal(dim1=1, dim2=4).copy_(probs.permute(0, 2, 3, 1))
-        return torch.bmm(spread.view(num_seqs, self.num_heads, length * hkv), v)
+        probs = scores.softmax(dim=-1).to(v.dtype).view(hkv * num_seqs, group, length)
+        out = torch.bmm(probs, v).view(hkv, num_seqs, group, -1)
+        return out.transpose(0, 1).reshape(num_seqs, self.num_heads, -1)
 
     def _prefill(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        k_flat: torch.Tensor,
-        v_flat: torch.Tensor,
+        k_slots: torch.Tensor,
+        v_slots: torch.Tensor,
         chunk: PrefillChunkMeta,
     ) -> torch.Tensor:
         if chunk.context_slots is None:
@@ -93,7 +94,7 @@ class PagedAttention(nn.Module):
                 is_causal=True,
             )
         else:
-            k_ctx = k_flat[chunk.context_slots].transpose(0, 1)[None]
-            v_ctx = v_flat[chunk.context_slots].transpose(0, 1)[None]
+            k_ctx = k_slots.index_select(1, chunk.context_slots)[None]
+            v_ctx = v_slots.index_select(1, chunk.context_slots)[None]
             out = self._sdpa(q.transpose(0, 1)[None], k_ctx, v_ctx, attn_mask=chunk.mask)
         return out[0].transpose(0, 1)

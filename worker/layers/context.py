@@ -32,7 +32,7 @@ class AttentionMetadata:
 
     Decode tokens come first: `num_decode_tokens` of them, one per sequence, attended in one
     batched op over `decode_block_tables` ([D, max_blocks]) with `decode_mask`, a float32
-    additive key mask ([D, 1, 1, max_blocks * block_size]: 0 = attend, -inf = padding).
+    additive key mask ([D, 1, max_blocks * block_size]: 0 = attend, -inf = padding).
     """
 
     slot_mapping: torch.Tensor
