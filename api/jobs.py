@@ -97,6 +97,7 @@ class JobStore:
         )
         if job is None:
             raise APIError(500, "Job id collision", error_type="server_error")
+        await self.redis.publish(self.keys.wake_channel, payload.id)
         return record
 
     async def _admit_key(self, key_id: str, job_id: str) -> None:

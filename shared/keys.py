@@ -24,6 +24,11 @@ class Keys:
         """Pub/sub channel carrying job ids to abort."""
         return f"{self.prefix}:cancel"
 
+    @property
+    def wake_channel(self) -> str:
+        """Pub/sub channel the API pings after enqueueing, so idle workers poll at once."""
+        return f"{self.prefix}:wake"
+
     def worker(self, worker_id: str) -> str:
         return f"{self.prefix}:worker:{worker_id}"
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -31,6 +32,11 @@ from worker.heartbeat import ARQ_IN_PROGRESS_PREFIX, Heartbeat, default_worker_i
 from worker.metrics import WorkerMetricsRecorder
 from worker.service import HandBack, WorkerService
 from worker.store import REDIS_DOWN_ERRORS
+
+# How often a worker looks at the queue when nothing wakes it: jobs handed back or retried,
+# room freed by finished jobs. A new job wakes idle workers at once (the API publishes on
+# Keys.wake_channel after enqueueing).
+POLL_S = 0.02
 
 logger = logging.getLogger("worker")
 
@@ -73,7 +79,7 @@ class LadleWorker(Worker):
             max_jobs=settings.max_batch_size + settings.worker_max_queued,
             job_timeout=settings.job_timeout_s + 30,
             keep_result=60,
-            poll_delay=0.02,
+            poll_delay=0,  # the wait is ours: POLL_S, or less when the API wakes us
             handle_signals=False,
             job_serializer=serialize_job,
             job_deserializer=deserialize_job,
@@ -126,10 +132,16 @@ class LadleWorker(Worker):
         return service.admission_capacity(num_starting)
 
     async def _poll_iteration(self) -> None:
-        """One poll; a Redis outage (or anything else) must not end the poll loop."""
+        """One poll, then a wait of POLL_S cut short by a wake-up (the API enqueued a job).
+
+        A Redis outage (or anything else) must not end the poll loop."""
         try:
             await super()._poll_iteration()
             self._poll_delay = 0.5
+            wake = self.service.wake
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), POLL_S)
+            wake.clear()
         except (RedisError, OSError) as exc:
             logger.warning("queue poll failed (%s); retrying in %.1f s", exc, self._poll_delay)
             await asyncio.sleep(self._poll_delay)

@@ -64,13 +64,15 @@ class WorkerService:
         self.engine_thread = EngineThread(engine, self._on_outputs, self._on_reject)
         self._tasks: list[asyncio.Task[None]] = []
         self.metrics = metrics
+        # Set when the API has enqueued a job: the poll loop looks at the queue at once.
+        self.wake = asyncio.Event()
 
     # ---- lifecycle ---------------------------------------------------------------------
 
     def start(self) -> None:
         self.engine_thread.start()
         self._tasks.append(asyncio.create_task(self._publish_loop(), name="publisher"))
-        self._tasks.append(asyncio.create_task(self._cancel_listener(), name="cancels"))
+        self._tasks.append(asyncio.create_task(self._listener(), name="cancels+wake"))
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -304,20 +306,25 @@ class WorkerService:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
 
-    async def _cancel_listener(self) -> None:
-        """Subscribe to cancels; after a Redis outage, subscribe again (with backoff)."""
+    async def _listener(self) -> None:
+        """Subscribe to cancels and wake-ups; after a Redis outage, subscribe again."""
         delay = 0.1
         while True:
             pubsub = self.redis.pubsub()
             try:
-                await pubsub.subscribe(self.keys.cancel_channel)
+                await pubsub.subscribe(self.keys.cancel_channel, self.keys.wake_channel)
                 delay = 0.1
                 async for message in pubsub.listen():
-                    if message.get("type") == "message":
-                        data = message["data"]
+                    if message.get("type") != "message":
+                        continue
+                    channel, data = message["channel"], message["data"]
+                    channel = channel.decode() if isinstance(channel, bytes) else channel
+                    if channel == self.keys.wake_channel:
+                        self.wake.set()
+                    else:
                         self.cancel(data.decode() if isinstance(data, bytes) else data)
             except (RedisError, OSError) as exc:
-                logger.warning("cancel listener lost Redis (%s); retrying in %.1f s", exc, delay)
+                logger.warning("pub/sub listener lost Redis (%s); retrying in %.1f s", exc, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
             finally:

@@ -103,3 +103,14 @@ async def test_unknown_and_foreign_jobs_are_404() -> None:
             assert r.status_code == 404 and r.json()["error"]["code"] == "job_not_found"
         assert (await h.client.get(f"/v1/jobs/{job_id}/events", headers=b)).status_code == 404
         assert (await _wait_final(h.client, job_id, a))["status"] == "completed"
+
+
+async def test_submit_wakes_the_workers() -> None:
+    async with harness() as h:
+        pubsub = h.redis.pubsub()
+        await pubsub.subscribe(h.keys.wake_channel)
+        await pubsub.get_message(timeout=1.0)  # the subscribe confirmation
+        job_id = (await h.client.post("/v1/jobs", json=CHAT)).json()["id"]
+        message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=2.0)
+        await pubsub.aclose()
+        assert message is not None and message["data"].decode() == job_id
