@@ -148,6 +148,25 @@ def test_steps_the_graphs_do_not_cover_run_eagerly(
     assert graphs.graphs == {}
 
 
+class FailingCapture(EagerReplay):
+    def capture(self, run):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+def test_a_failed_capture_falls_back_to_eager(
+    tiny_model_dirs: dict, engines: list[LLMEngine], caplog: pytest.LogCaptureFixture
+) -> None:
+    engine = make_engine(tiny_model_dirs["llama"])
+    engines.append(engine)
+    graphs = with_eager_graphs(engine)
+    graphs.backend = FailingCapture()
+    prompts = random_prompts(3, [9, 14, 30], seed=6)
+    got = token_ids(LLM(engine=engine).generate(prompts, GREEDY))
+    assert got == hf_greedy(tiny_model_dirs["llama"], prompts, GREEDY.max_tokens)
+    assert engine.executor.runner.graphs is None
+    assert "decode runs eagerly from now on" in caplog.text
+
+
 @cpu_only
 def test_cuda_graphs_stay_off_on_cpu(tiny_model_dirs: dict, engines: list[LLMEngine]) -> None:
     engine = make_engine(tiny_model_dirs["llama"], cuda_graphs=True)

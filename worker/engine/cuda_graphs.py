@@ -77,6 +77,10 @@ class EagerReplay:
         return run
 
 
+class GraphCaptureError(RuntimeError):
+    """Capturing a decode graph failed; the runner then runs every step eagerly."""
+
+
 @dataclass
 class _Graph:
     input_ids: torch.Tensor
@@ -144,7 +148,11 @@ class DecodeGraphs:
         rows, blocks = key = self.shape_for(chunks)
         graph = self.graphs.get(key)
         if graph is None:
-            graph = self.graphs[key] = self._capture(rows, blocks)
+            try:
+                graph = self._capture(rows, blocks)
+            except Exception as exc:
+                raise GraphCaptureError(f"{rows} rows x {blocks} blocks: {exc!r}") from exc
+            self.graphs[key] = graph
         self._fill(graph, chunks, rows, blocks)
         return graph.replay()[: len(chunks)]
 

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Protocol
 
 import torch
 
 from worker.engine.attention_metadata import build_step_inputs
-from worker.engine.cuda_graphs import CudaGraphBackend, DecodeGraphs
+from worker.engine.cuda_graphs import CudaGraphBackend, DecodeGraphs, GraphCaptureError
 from worker.engine.kv_cache import KVCache, allocate_kv_cache, bind_kv_cache
 from worker.engine.outputs import ModelRunnerOutput, SampledToken, SchedulerOutput
 from worker.engine.request import Request
 from worker.layers.context import set_attention_metadata
 from worker.layers.linear import prepack_linears
 from worker.models.loader import LoadedModel
+
+logger = logging.getLogger(__name__)
 
 
 class SamplerLike(Protocol):
@@ -71,11 +74,16 @@ class ModelRunner:
         """Float32 logits [S, vocab], one row per sampling chunk, in chunk order."""
         chunks = scheduler_output.chunks
         if self.graphs is not None and self.graphs.supports(chunks):
-            hidden = self.graphs.run(chunks)
-            sampling = [i for i, c in enumerate(chunks) if c.is_sampling]
-            if len(sampling) < len(chunks):
-                hidden = hidden[torch.tensor(sampling, dtype=torch.long, device=self.device)]
-            return self.model.compute_logits(hidden)
+            try:
+                hidden = self.graphs.run(chunks)
+            except GraphCaptureError as exc:
+                logger.error("CUDA graph capture failed (%s): decode runs eagerly from now on", exc)
+                self.graphs = None
+            else:
+                sampling = [i for i, c in enumerate(chunks) if c.is_sampling]
+                if len(sampling) < len(chunks):
+                    hidden = hidden[torch.tensor(sampling, dtype=torch.long, device=self.device)]
+                return self.model.compute_logits(hidden)
         inputs = build_step_inputs(chunks, self.block_size, self.device)
         set_attention_metadata(inputs.metadata)
         try:
