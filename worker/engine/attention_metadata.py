@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from worker.engine.block_manager import cdiv
 from worker.engine.outputs import ScheduledChunk
 from worker.layers.context import AttentionMetadata, PrefillChunkMeta
 
@@ -39,7 +40,7 @@ def decode_tensors(
     its first slot only (no row is all -inf, so no NaN even in padding).
     """
     context_lens = [c.start_position + 1 for c in chunks]
-    blocks_used = [(n + block_size - 1) // block_size for n in context_lens]
+    blocks_used = [cdiv(n, block_size) for n in context_lens]
     max_blocks = num_blocks or max(blocks_used)
     num_pad = (num_rows or len(chunks)) - len(chunks)
     # Padding points at a sequence's first block: any real block, masked out below.

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from worker.engine.attention_metadata import decode_tensors, slots_for
+from worker.engine.block_manager import cdiv
 from worker.engine.outputs import ScheduledChunk
 from worker.layers.context import AttentionMetadata, set_attention_metadata
 
@@ -128,7 +129,7 @@ class DecodeGraphs:
         self.device = device
         self.backend = backend
         self.batch_buckets = batch_buckets(max_batch_size)
-        self.block_buckets = block_buckets(-(-max_model_len // block_size))
+        self.block_buckets = block_buckets(cdiv(max_model_len, block_size))
         self.graphs: dict[tuple[int, int], _Graph] = {}
 
     def supports(self, chunks: list[ScheduledChunk]) -> bool:
@@ -140,7 +141,7 @@ class DecodeGraphs:
 
     def shape_for(self, chunks: list[ScheduledChunk]) -> tuple[int, int]:
         longest = max(c.start_position for c in chunks) + 1
-        blocks = -(-longest // self.block_size)
+        blocks = cdiv(longest, self.block_size)
         return _round_up(len(chunks), self.batch_buckets), _round_up(blocks, self.block_buckets)
 
     def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
