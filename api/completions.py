@@ -61,6 +61,7 @@ async def prepare_job(
     max_tokens = check_context(len(prompt_ids), body.max_tokens, max_model_len, param)
     return build_payload(
         body,
+        prompt_token_ids=prompt_ids,
         job_id=new_job_id(),
         model=model,
         max_tokens=max_tokens,
@@ -74,10 +75,10 @@ async def echo_text(services: Services, payload: JobPayload) -> str | None:
     """The prompt text that `echo` puts in front of a completion (the API does the echo)."""
     if payload.endpoint != "completions" or not payload.echo:
         return None
-    if isinstance(payload.prompt, str):
+    if payload.prompt is not None:
         return payload.prompt
     tokenizer = await services.tokenizer.get()
-    return await asyncio.to_thread(tokenizer.decode, payload.prompt or [])
+    return await asyncio.to_thread(tokenizer.decode, payload.prompt_token_ids)
 
 
 async def response_context(

@@ -15,7 +15,14 @@ from arq.constants import job_key_prefix
 
 from api.errors import APIError
 from shared.config import Settings
-from shared.contracts import FINAL_STATUSES, ErrorEvent, JobPayload, JobRecord, encode_event
+from shared.contracts import (
+    FINAL_STATUSES,
+    QUEUED_GRACE_S,
+    JobPayload,
+    JobRecord,
+    cancelled_event,
+    encode_event,
+)
 from shared.keys import Keys
 from shared.queue import RUN_COMPLETION
 
@@ -37,19 +44,11 @@ redis.call('EXPIRE', KEYS[6], ARGV[3])
 redis.call('EXPIRE', KEYS[7], ARGV[3])
 return 1
 """
-# A queued record must outlive its wait in the queue (arq's own job expiry is one day).
-QUEUED_TTL_S = 86_400
 
 
 def new_job_id() -> str:
     """Unguessable: the id is the only secret needed to read a job when keys are off."""
     return "job-" + secrets.token_urlsafe(16)
-
-
-def cancelled_event() -> ErrorEvent:
-    return ErrorEvent(
-        status=409, error_type="cancelled", message="The job was cancelled", code="job_cancelled"
-    )
 
 
 class JobStore:
@@ -84,7 +83,7 @@ class JobStore:
             request_id=payload.request_id,
             created_at=payload.created,
         )
-        ttl = QUEUED_TTL_S + self.settings.job_ttl_s
+        ttl = QUEUED_GRACE_S + self.settings.job_ttl_s
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.set(self.keys.job(payload.id), record.model_dump_json(), ex=ttl)
             pipe.set(self.keys.payload(payload.id), payload.model_dump_json(), ex=ttl)
@@ -105,7 +104,7 @@ class JobStore:
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.sadd(key, job_id)
             pipe.scard(key)
-            pipe.expire(key, QUEUED_TTL_S)
+            pipe.expire(key, QUEUED_GRACE_S)
             _, count, _ = await pipe.execute()
         if count > self.settings.per_key_max_concurrent_jobs:
             await self.redis.srem(key, job_id)
@@ -135,7 +134,7 @@ class JobStore:
     async def cancel(self, job_id: str) -> JobRecord | None:
         """Cancel: a queued job is finalised here; a running one is told to stop."""
         ttl = self.settings.job_ttl_s
-        await self.redis.set(self.keys.cancelled(job_id), "1", ex=QUEUED_TTL_S + ttl)
+        await self.redis.set(self.keys.cancelled(job_id), "1", ex=QUEUED_GRACE_S + ttl)
         record = await self.get(job_id)
         if record is None or record.status in FINAL_STATUSES:
             await self.redis.expire(self.keys.cancelled(job_id), ttl)  # no job left to stop

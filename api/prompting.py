@@ -1,5 +1,6 @@
-"""Requests -> JobPayload: the tokenizer (loaded once, off the event loop), context-length
-checks against the live worker's max_model_len, and the settings-dependent limits."""
+"""Requests -> JobPayload: the one tokenization of a prompt (the tokenizer is loaded once, off
+the event loop), the context-length check against the live worker's max_model_len, and the
+settings-dependent limits."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from api.errors import APIError
 from api.protocol import ChatCompletionRequest, CompletionRequest, OpenAIRequest
 from shared.config import Settings
 from shared.contracts import JobPayload, SamplingSpec
+from shared.errors import InvalidRequestError, check_context_length
 
 log = logging.getLogger(__name__)
 
@@ -71,27 +73,11 @@ async def prompt_token_ids(tokenizer: Any, request: OpenAIRequest) -> list[int]:
 def check_context(
     num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, param: str
 ) -> int:
-    """Raise OpenAI's context_length_exceeded 400; return max_tokens (default: what fits)."""
-    head = f"This model's maximum context length is {max_model_len} tokens. However, "
-    noun = "messages" if param == "messages" else "prompt"
-    if num_prompt_tokens >= max_model_len:
-        raise APIError(
-            400,
-            head + f"your {noun} has {num_prompt_tokens} tokens. "
-            f"Please reduce the length of the {noun}.",
-            param=param,
-            code="context_length_exceeded",
-        )
-    if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
-        raise APIError(
-            400,
-            head + f"you requested {num_prompt_tokens + max_tokens} tokens "
-            f"({num_prompt_tokens} in the {noun}, {max_tokens} in the completion). "
-            f"Please reduce the length of the {noun} or completion.",
-            param=param,
-            code="context_length_exceeded",
-        )
-    return max_tokens if max_tokens is not None else max_model_len - num_prompt_tokens
+    """The shared context-length check (`shared/errors.py`) as an API error."""
+    try:
+        return check_context_length(num_prompt_tokens, max_tokens, max_model_len, param)
+    except InvalidRequestError as exc:
+        raise APIError(400, exc.message, param=exc.param, code=exc.code) from None
 
 
 def check_limits(request: OpenAIRequest, settings: Settings) -> None:
@@ -114,33 +100,23 @@ def _logprobs(request: OpenAIRequest) -> int | None:
 
 
 def sampling_spec(request: OpenAIRequest, max_tokens: int) -> SamplingSpec:
-    """OpenAI fields -> SamplingSpec; a missing seed becomes a random one (see DESIGN.md)."""
-    seed = request.seed if request.seed is not None else secrets.randbelow(2**31)
-    return SamplingSpec(
-        n=request.n,
-        temperature=request.temperature,
-        top_p=request.top_p,
-        top_k=request.top_k,
-        min_p=request.min_p,
-        presence_penalty=request.presence_penalty,
-        frequency_penalty=request.frequency_penalty,
-        repetition_penalty=request.repetition_penalty,
-        logit_bias={int(k): v for k, v in (request.logit_bias or {}).items()},
-        seed=seed,
+    """OpenAI fields -> SamplingSpec, by name; only fields whose HTTP shape differs are mapped
+    here. A missing seed becomes a random one (see DESIGN.md)."""
+    fields = request.model_dump(include=set(SamplingSpec.model_fields))
+    fields.update(
+        seed=request.seed if request.seed is not None else secrets.randbelow(2**31),
         max_tokens=max_tokens,
-        min_tokens=request.min_tokens,
         stop=request.stop_list(),
-        stop_token_ids=request.stop_token_ids,
-        ignore_eos=request.ignore_eos,
+        logit_bias={int(k): v for k, v in (request.logit_bias or {}).items()},
         logprobs=_logprobs(request),
-        include_stop_str_in_output=request.include_stop_str_in_output,
-        skip_special_tokens=request.skip_special_tokens,
     )
+    return SamplingSpec.model_validate(fields)
 
 
 def build_payload(
     request: OpenAIRequest,
     *,
+    prompt_token_ids: list[int],
     job_id: str,
     model: str,
     max_tokens: int,
@@ -148,10 +124,11 @@ def build_payload(
     request_id: str | None,
     api_key_id: str | None,
 ) -> JobPayload:
-    """The normalised job the worker runs."""
+    """The normalised job the worker runs: token ids to run, text for logs and echo."""
     common: dict[str, Any] = {
         "id": job_id,
         "model": model,
+        "prompt_token_ids": prompt_token_ids,
         "sampling": sampling_spec(request, max_tokens),
         "stream": request.stream,
         "priority": request.priority,
@@ -160,13 +137,7 @@ def build_payload(
         "api_key_id": api_key_id,
     }
     if isinstance(request, CompletionRequest):
-        return JobPayload(
-            endpoint="completions", prompt=request.prompt, echo=request.echo, **common
-        )
-    return JobPayload(
-        endpoint="chat.completions",
-        messages=[m.as_dict() for m in request.messages],
-        add_generation_prompt=request.add_generation_prompt,
-        chat_template_kwargs=request.chat_template_kwargs,
-        **common,
-    )
+        text = request.prompt if isinstance(request.prompt, str) else None
+        return JobPayload(endpoint="completions", prompt=text, echo=request.echo, **common)
+    messages = [m.as_dict() for m in request.messages]
+    return JobPayload(endpoint="chat.completions", messages=messages, **common)

@@ -1,7 +1,10 @@
-"""OpenAI request bodies (pydantic), with OpenAI's and vLLM's parameter ranges.
+"""OpenAI request bodies (pydantic).
 
-Limits that depend on settings (n, logit_bias size) are checked in `api/prompting.py`.
-Unknown fields are ignored, as OpenAI clients send fields we do not use.
+The sampling parameters and their ranges are not declared here: `SamplingFields` inherits
+them from the wire contract's `SamplingSpec` (`shared/contracts.py`), overriding only the
+fields whose OpenAI shape differs (`stop` may be one string, `logit_bias` keys are strings,
+chat's `logprobs` is a flag). Limits that depend on settings (n, logit_bias size) are checked
+in `api/prompting.py`. Unknown fields are ignored, as OpenAI clients send fields we do not use.
 """
 
 from __future__ import annotations
@@ -10,7 +13,28 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-MAX_STOP_SEQUENCES = 16
+from shared.contracts import MAX_LOGPROBS, SamplingSpec, check_logit_bias, check_stops
+
+# Request fields that are not sampling parameters: `api/prompting.py` maps each of them
+# (into JobPayload, or into the prompt's tokenization). Every other field is `SamplingSpec`'s;
+# tests/unit/test_parameters.py fails on a field that is in neither.
+REQUEST_FIELDS = frozenset(
+    {
+        "model",
+        "user",
+        "stream",
+        "stream_options",
+        "priority",
+        "prompt",
+        "echo",
+        "suffix",
+        "messages",
+        "max_completion_tokens",
+        "top_logprobs",
+        "add_generation_prompt",
+        "chat_template_kwargs",
+    }
+)
 
 
 class StreamOptions(BaseModel):
@@ -21,51 +45,32 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", protected_namespaces=())
 
 
-class SamplingFields(_Body):
-    """Fields shared by completions and chat completions."""
+class SamplingFields(SamplingSpec):
+    """Fields shared by completions and chat completions: the contract's, plus the request's."""
+
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1)
-    stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
-    logit_bias: dict[str, float] | None = None
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    stop: str | list[str] | None = None  # type: ignore[assignment]
+    logit_bias: dict[str, float] | None = None  # type: ignore[assignment]
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # vLLM extras
-    top_k: int = Field(0, ge=-1)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
-    min_tokens: int = Field(0, ge=0)
-    stop_token_ids: list[int] = Field(default_factory=list)
-    ignore_eos: bool = False
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
     priority: int = 0
 
     @field_validator("stop")
     @classmethod
-    def _check_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
-        stops = [value] if isinstance(value, str) else value or []
-        if len(stops) > MAX_STOP_SEQUENCES:
-            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences")
-        if any(not s for s in stops):
-            raise ValueError("stop sequences must be non-empty")
+    def _check_stop(cls, value: str | list[str] | None) -> str | list[str] | None:  # type: ignore[override]
+        check_stops([value] if isinstance(value, str) else value or [])
         return value
 
     @field_validator("logit_bias")
     @classmethod
-    def _check_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        for token, bias in (value or {}).items():
+    def _check_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:  # type: ignore[override]
+        for token in value or {}:
             if not token.lstrip("-").isdigit() or int(token) < 0:
                 raise ValueError(f"logit_bias key {token!r} is not a token id")
-            if not -100.0 <= bias <= 100.0:
-                raise ValueError(f"logit_bias value for {token} must be in [-100, 100]")
+        check_logit_bias(value or {})
         return value
 
     def stop_list(self) -> list[str]:
@@ -77,8 +82,7 @@ class SamplingFields(_Body):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=20)
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
     echo: bool = False
     suffix: str | None = None
 
@@ -129,8 +133,8 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: bool = False  # type: ignore[assignment]
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
 

@@ -9,13 +9,16 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
 WIRE_VERSION = 1
 
 Endpoint = Literal["completions", "chat.completions"]
 JobStatus = Literal["queued", "in_progress", "completed", "failed", "cancelled"]
 FINAL_STATUSES: frozenset[str] = frozenset({"completed", "failed", "cancelled"})
+# A queued job's record, payload and cancel marker must outlive its wait in the queue
+# (arq's own job expiry is one day); a started one's too, for a wait after a worker loss.
+QUEUED_GRACE_S = 86_400
 
 
 class _Wire(BaseModel):
@@ -23,41 +26,89 @@ class _Wire(BaseModel):
     v: int = WIRE_VERSION
 
 
+MAX_STOP_SEQUENCES = 16
+MAX_LOGPROBS = 20
+MAX_ABS_LOGIT_BIAS = 100.0
+
+
+def check_stops(stops: list[str]) -> list[str]:
+    """The rule for stop strings, shared by the HTTP models and the contract."""
+    if len(stops) > MAX_STOP_SEQUENCES:
+        raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences")
+    if any(not s for s in stops):
+        raise ValueError("stop sequences must be non-empty")
+    return stops
+
+
+def check_logit_bias(bias: dict[int, float]) -> dict[int, float]:
+    """The rule for logit_bias values, shared by the HTTP models and the contract."""
+    for token, value in bias.items():
+        if not -MAX_ABS_LOGIT_BIAS <= value <= MAX_ABS_LOGIT_BIAS:
+            raise ValueError(f"logit_bias value for {token} must be in [-100, 100]")
+    return bias
+
+
 class SamplingSpec(BaseModel):
-    """Sampling parameters as they cross the wire; the worker maps them onto SamplingParams."""
+    """Sampling parameters, declared once with their ranges (OpenAI's and vLLM's).
+
+    The single source of truth: the HTTP request models (`api/protocol.py`) inherit these
+    fields and ranges, the API copies them into the job by name, and the engine's
+    `SamplingParams` has the same fields and validates against this model.
+    `tests/unit/test_parameters.py` fails when a field exists on one side only.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    n: int = Field(1, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)  # 0 or -1: off
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
     logit_bias: dict[int, float] = Field(default_factory=dict)
-    seed: int | None = None
-    max_tokens: int | None = None
-    min_tokens: int = 0
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    max_tokens: int | None = Field(None, ge=1)
+    min_tokens: int = Field(0, ge=0)
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, value: list[str]) -> list[str]:
+        return check_stops(value)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_bias(cls, value: dict[int, float]) -> dict[int, float]:
+        return check_logit_bias(value)
+
+    @model_validator(mode="after")
+    def _min_within_max(self) -> SamplingSpec:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError("min_tokens must not exceed max_tokens")
+        return self
+
 
 class JobPayload(_Wire):
-    """One normalised completion request, as the API enqueues it."""
+    """One normalised completion request, as the API enqueues it.
+
+    The API tokenizes the prompt once (chat template applied) and sends the token ids; the
+    worker runs them as they are and never tokenizes a prompt again. `prompt` (completions
+    given as text) and `messages` (chat) are the text, kept for logs and echo.
+    """
 
     id: str
     endpoint: Endpoint
     model: str
-    prompt: str | list[int] | None = None
+    prompt_token_ids: list[int] = Field(min_length=1)
+    prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
-    add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     echo: bool = False
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
     stream: bool = False
@@ -66,6 +117,11 @@ class JobPayload(_Wire):
     request_id: str | None = None
     api_key_id: str | None = None
     created: float = Field(default_factory=time.time)
+
+    @property
+    def prompt_param(self) -> str:
+        """The request field an error about the prompt names."""
+        return "messages" if self.endpoint == "chat.completions" else "prompt"
 
 
 class TokenLogprob(BaseModel):
@@ -141,6 +197,13 @@ class ErrorEvent(_Wire):
     message: str
     param: str | None = None
     code: str | None = None
+
+
+def cancelled_event() -> ErrorEvent:
+    """How every cancelled job ends, whoever cancels it (the API for a queued job, a worker)."""
+    return ErrorEvent(
+        status=409, error_type="cancelled", message="The job was cancelled", code="job_cancelled"
+    )
 
 
 StreamEvent = Annotated[

@@ -11,17 +11,18 @@ from redis.exceptions import RedisError
 
 from shared.config import Settings
 from shared.contracts import (
+    FINAL_STATUSES,
     ErrorEvent,
     JobPayload,
     JobRecord,
     RestartEvent,
     StartedEvent,
+    cancelled_event,
 )
+from shared.errors import InvalidRequestError
 from shared.keys import Keys
 from shared.tokenizer import Tokenizer
 from worker.engine.engine import LLMEngine, PreparedRequest, SequenceOutput
-from worker.engine.errors import InvalidRequestError
-from worker.engine.inputs import tokenize_prompt
 from worker.engine.sampling_params import SamplingParams
 from worker.engine_thread import EngineStepError, EngineThread
 from worker.job_state import JobState
@@ -29,10 +30,6 @@ from worker.metrics import WorkerMetricsRecorder
 from worker.store import REDIS_DOWN_ERRORS, JobStore
 
 logger = logging.getLogger(__name__)
-
-CANCELLED = ErrorEvent(
-    status=409, error_type="cancelled", message="the job was cancelled", code="job_cancelled"
-)
 
 
 class HandBack(Exception):
@@ -104,10 +101,10 @@ class WorkerService:
     async def run_job(self, payload: JobPayload, attempt: int) -> str:
         """Run one attempt of a job to its final event; returns the final status."""
         record = await self.store.get(payload.id)
-        if record is None or record.status in ("completed", "failed", "cancelled"):
+        if record is None or record.status in FINAL_STATUSES:
             return "skipped"
         if await self.store.is_cancelled(payload.id):
-            await self._finish(record, "cancelled", CANCELLED)
+            await self._finish(record, "cancelled", cancelled_event())
             return "cancelled"
         self.num_pending += 1
         try:
@@ -174,7 +171,7 @@ class WorkerService:
             if self.metrics:
                 self.metrics.observe_job_finished(job)
         elif outcome == "cancelled":
-            await self._finish(record, "cancelled", CANCELLED)
+            await self._finish(record, "cancelled", cancelled_event())
         elif outcome == "timeout":
             await self._finish(
                 record,
@@ -190,20 +187,17 @@ class WorkerService:
             await self._finish(record, "failed", job.error)
 
     def _prepare(self, payload: JobPayload) -> PreparedRequest:
-        param = "messages" if payload.messages is not None else "prompt"
-        prompt_token_ids = tokenize_prompt(
-            self.tokenizer,
-            payload.prompt,
-            payload.messages,
-            payload.add_generation_prompt,
-            payload.chat_template_kwargs,
-        )
+        """The job's token ids as the API sent them (never tokenized again) and its params."""
         try:
             params = SamplingParams(**payload.sampling.model_dump())
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from exc
         return self.engine.prepare(
-            payload.id, prompt_token_ids, params, payload.priority, param_name=param
+            payload.id,
+            payload.prompt_token_ids,
+            params,
+            payload.priority,
+            param_name=payload.prompt_param,
         )
 
     async def _finish(self, record: JobRecord, status: str, event: object) -> None:

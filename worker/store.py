@@ -12,7 +12,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from shared.contracts import FINAL_STATUSES, JobRecord, encode_event
+from shared.contracts import FINAL_STATUSES, QUEUED_GRACE_S, JobRecord, encode_event
 from shared.keys import Keys
 
 logger = logging.getLogger(__name__)
@@ -21,8 +21,6 @@ T = TypeVar("T")
 REDIS_DOWN_ERRORS = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
 # How long a job's writes wait for Redis to come back before giving up (then logged).
 WRITE_DEADLINE_S = 120.0
-# A record must outlive a wait in the queue after a worker loss (as the API's queued one).
-RECORD_GRACE_S = 86_400
 
 
 async def with_retry(
@@ -105,7 +103,7 @@ class JobStore:
             lambda: self.redis.set(
                 self.keys.job(record.id),
                 record.model_dump_json(),
-                ex=self.ttl_s + RECORD_GRACE_S,
+                ex=self.ttl_s + QUEUED_GRACE_S,
                 xx=True,
             ),
             "marking a job in progress",
@@ -115,7 +113,7 @@ class JobStore:
     def restore(self, pipe: Redis, job_id: str, record_json: str, payload_json: str) -> None:
         """Queue writes that put back a running job's record and payload if Redis lost them
         (a restart without persistence); never overwrites what is there."""
-        ttl = self.ttl_s + RECORD_GRACE_S
+        ttl = self.ttl_s + QUEUED_GRACE_S
         pipe.set(self.keys.job(job_id), record_json, ex=ttl, nx=True)
         pipe.set(self.keys.payload(job_id), payload_json, ex=ttl, nx=True)
 

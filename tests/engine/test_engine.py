@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from shared.errors import InvalidRequestError
 from tests.engine.conftest import make_engine
 from worker.engine.engine import LLMEngine
-from worker.engine.errors import InvalidRequestError
 from worker.engine.offline import LLM
 from worker.engine.sampling_params import SamplingParams
 

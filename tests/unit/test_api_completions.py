@@ -25,6 +25,7 @@ async def test_completion_non_stream() -> None:
         assert body["usage"]["completion_tokens"] == 5
         payload = h.worker.payloads[0]
         assert payload.prompt == "Hello" and payload.endpoint == "completions"
+        assert payload.prompt_token_ids == TOKENIZER.encode("Hello")
         assert payload.sampling.seed == 7 and payload.sampling.max_tokens == 16
 
 
@@ -50,7 +51,8 @@ async def test_chat_non_stream_n2_and_random_seed() -> None:
             {"role": "user", "content": "Hi"},
         ]
         assert payload.sampling.seed is not None
-        prompt_len = len(TOKENIZER.apply_chat_template(payload.messages))
+        assert payload.prompt_token_ids == TOKENIZER.apply_chat_template(payload.messages)
+        prompt_len = len(payload.prompt_token_ids)
         assert payload.sampling.max_tokens == 64 - prompt_len  # default: what fits
 
 

@@ -66,7 +66,7 @@ def test_imports_run_one_way(package: str, forbidden: tuple[str, ...]) -> None:
 
 @pytest.mark.parametrize(
     "name",
-    ["scheduler", "block_manager", "request", "outputs", "sampling_params", "config", "errors"],
+    ["scheduler", "block_manager", "request", "outputs", "sampling_params", "config"],
 )
 def test_bookkeeping_never_imports_torch(name: str) -> None:
     path = ROOT / "worker" / "engine" / f"{name}.py"

@@ -11,11 +11,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from shared.errors import InvalidRequestError, check_context_length
 from shared.tokenizer import Tokenizer, load_tokenizer
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig
 from worker.engine.detokenizer import IncrementalDetokenizer
-from worker.engine.errors import InvalidRequestError, context_length_error
 from worker.engine.executor import Executor, build_executor
 from worker.engine.inputs import tokenize_prompt
 from worker.engine.outputs import SampledToken
@@ -154,12 +154,9 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"logit_bias token ids must be in [0, {vocab_size})", param="logit_bias"
             )
-        room = self.max_model_len - num_prompt
-        if room <= 0 or (params.max_tokens is not None and params.max_tokens > room):
-            raise context_length_error(
-                self.max_model_len, num_prompt, params.max_tokens, param_name
-            )
-        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        max_tokens = check_context_length(
+            num_prompt, params.max_tokens, self.max_model_len, param_name
+        )
         return PreparedRequest(request_id, list(prompt_token_ids), params, max_tokens, priority)
 
     def add_request(self, prepared: PreparedRequest) -> None:

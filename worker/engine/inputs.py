@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from shared.errors import InvalidRequestError
 from shared.tokenizer import Tokenizer
-from worker.engine.errors import InvalidRequestError
 
 
 def tokenize_prompt(

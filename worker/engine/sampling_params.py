@@ -1,8 +1,17 @@
-"""Per-request sampling parameters (a small dataclass; the runner batches them per step)."""
+"""Per-request sampling parameters (a small dataclass; the runner batches them per step).
+
+The fields mirror the wire contract's `SamplingSpec` one for one (a test keeps them equal),
+and their ranges are checked by it: adding a parameter means adding it to `SamplingSpec`,
+here, and where it acts (sampler, detokenizer or engine).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+
+from pydantic import ValidationError
+
+from shared.contracts import SamplingSpec
 
 
 @dataclass
@@ -34,34 +43,22 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        if self.top_k < 0:
-            self.top_k = 0
         self.validate()
+        self.top_k = max(self.top_k, 0)  # -1 (vLLM's "off") is 0 here
 
     def validate(self) -> None:
-        """Raise ValueError naming the first out-of-range field."""
-        checks = [
-            (self.n >= 1, "n", "must be at least 1"),
-            (0.0 <= self.temperature <= 2.0, "temperature", "must be in [0, 2]"),
-            (0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
-            (0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]"),
-            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]"),
-            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),
-            (0.0 < self.repetition_penalty <= 2.0, "repetition_penalty", "must be in (0, 2]"),
-            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be at least 1"),
-            (self.min_tokens >= 0, "min_tokens", "must be at least 0"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
-            (
-                all(-100 <= b <= 100 for b in self.logit_bias.values()),
-                "logit_bias",
-                "values must be in [-100, 100]",
-            ),
-        ]
-        for ok, name, message in checks:
-            if not ok:
-                raise ValueError(f"{name} {message}")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError("min_tokens must not exceed max_tokens")
+        """Raise ValueError naming the first out-of-range field.
+
+        The ranges are the wire contract's (`SamplingSpec`), declared there once.
+        """
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        try:
+            SamplingSpec.model_validate(values)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            name = ".".join(str(part) for part in first["loc"])
+            message = str(first["msg"]).removeprefix("Value error, ")
+            raise ValueError(f"{name}: {message}" if name else message) from None
 
     @property
     def is_greedy(self) -> bool:

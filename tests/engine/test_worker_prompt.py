@@ -1,0 +1,90 @@
+"""The worker runs the prompt token ids the API sent: it never tokenizes a prompt again."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import fakeredis
+
+from shared.config import Settings
+from shared.contracts import JobPayload, JobRecord, SamplingSpec, decode_event
+from shared.keys import Keys
+from tests.engine.conftest import assert_all_blocks_free, make_engine
+from worker.service import WorkerService
+
+TOKENIZING = ("encode", "apply_chat_template", "chat_text")
+
+
+class NoTokenizing:
+    """Wraps a tokenizer; decoding works, any way of tokenizing text fails the test."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        if name in TOKENIZING:
+            self.calls.append(name)
+            raise AssertionError(f"the worker called tokenizer.{name}")
+        return getattr(self._inner, name)
+
+
+async def _run(service: WorkerService, redis: Any, payload: JobPayload) -> list:
+    keys = service.keys
+    record = JobRecord(id=payload.id, url="/v1/chat/completions", model=payload.model)
+    await redis.set(keys.job(payload.id), record.model_dump_json())
+    service.start()
+    try:
+        status = await asyncio.wait_for(service.run_job(payload, 1), 60)
+    finally:
+        await service.stop()
+    assert status == "completed"
+    entries = await redis.xrange(keys.stream(payload.id))
+    return [decode_event(fields[b"data"]) for _, fields in entries]
+
+
+def test_the_worker_does_not_tokenize_a_prompt_the_api_tokenized(
+    tiny_model_dirs: dict[str, Path],
+) -> None:
+    engine = make_engine(tiny_model_dirs["llama"])
+    engine.tokenizer = NoTokenizing(engine.tokenizer)  # type: ignore[assignment]
+    tokenizer = NoTokenizing(engine.tokenizer._inner)
+    # The text would tokenize to other ids: the worker must run the ids it was sent.
+    prompt_ids = [7, 8, 9, 10, 11]
+    payload = JobPayload(
+        id="job-1",
+        endpoint="chat.completions",
+        model="tiny",
+        prompt_token_ids=prompt_ids,
+        messages=[{"role": "user", "content": "w50 w51"}],
+        sampling=SamplingSpec(temperature=0, max_tokens=4, ignore_eos=True),
+    )
+
+    async def scenario() -> list:
+        redis = fakeredis.FakeAsyncRedis()
+        settings = Settings(key_prefix="t")
+        service = WorkerService(settings, engine, tokenizer, redis, "w-1")  # type: ignore[arg-type]
+        assert service.keys == Keys("t")
+        return await _run(service, redis, payload)
+
+    events = asyncio.run(scenario())
+    started, done = events[0], events[-1]
+    assert started.type == "started" and started.prompt_tokens == len(prompt_ids)
+    assert done.type == "done" and done.usage.prompt_tokens == len(prompt_ids)
+    assert done.usage.completion_tokens == 4
+    assert tokenizer.calls == [] and engine.tokenizer.calls == []
+    expected = engine_greedy(tiny_model_dirs["llama"], prompt_ids)
+    assert [t for e in events if e.type == "delta" for t in e.token_ids] == expected
+    assert_all_blocks_free(engine)
+
+
+def engine_greedy(model_dir: Path, prompt_ids: list[int]) -> list[int]:
+    """The same ids straight through an engine: what the job must have generated."""
+    from worker.engine.offline import LLM
+    from worker.engine.sampling_params import SamplingParams
+
+    llm = LLM(engine=make_engine(model_dir))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    return llm.generate([prompt_ids], params)[0].outputs[0].token_ids
