@@ -11,6 +11,7 @@ from redis.exceptions import RedisError
 from api.auth import require_api_key
 from api.errors import APIError
 from api.services import Services, get_services
+from api.workers import supervised_children
 from shared.metrics import render
 
 log = logging.getLogger(__name__)
@@ -25,18 +26,26 @@ async def health() -> dict:
 
 @router.get("/ready")
 async def ready(services: Services = Depends(get_services)) -> JSONResponse:
-    """Ready: Redis answers and a live worker serves the configured model."""
+    """Ready: Redis answers and a live worker serves the configured model. Under `ladle up`
+    the body also lists the supervised processes, and `warnings` names any that crash-looped
+    and are no longer restarted (the rest keep serving, so that alone is not a 503)."""
     try:
         await services.redis.ping()
         served = await services.workers.models()
+        children = await supervised_children(services.redis, services.keys)
     except (RedisError, OSError) as exc:
         log.warning("not ready: redis", extra={"error": repr(exc)})
         return APIError(503, "Redis is unreachable", code="redis_unavailable").response()
+    warnings = [c.message for c in children if c.state == "given_up" and c.message]
     model = services.settings.model_id
     if model not in served:
-        message = f"No live worker serves the model `{model}`"
+        message = " ".join([f"No live worker serves the model `{model}`.", *warnings])
         return APIError(503, message, code="no_workers").response()
-    return JSONResponse({"status": "ready", "model": model, "max_model_len": served[model]})
+    body = {"status": "ready", "model": model, "max_model_len": served[model]}
+    if children:
+        body["processes"] = [c.model_dump() for c in children]
+        body["warnings"] = warnings
+    return JSONResponse(body)
 
 
 @router.get("/metrics", dependencies=[Depends(require_api_key)])

@@ -7,7 +7,7 @@ import time
 from redis.asyncio import Redis
 
 from api.errors import APIError, model_not_found
-from shared.contracts import WorkerRecord
+from shared.contracts import ChildStatus, SupervisorRecord, WorkerRecord
 from shared.keys import Keys
 
 
@@ -26,10 +26,7 @@ class WorkerDirectory:
         if self._cached and now - self._cached[0] < self.cache_s:
             return self._cached[1]
         await self.redis.zremrangebyscore(self.keys.workers, "-inf", now - self.ttl_s)
-        ids = [
-            i.decode() if isinstance(i, bytes) else i
-            for i in await self.redis.zrange(self.keys.workers, 0, -1)
-        ]
+        ids = [_text(i) for i in await self.redis.zrange(self.keys.workers, 0, -1)]
         raws = await self.redis.mget([self.keys.worker(i) for i in ids]) if ids else []
         records = [WorkerRecord.model_validate_json(raw) for raw in raws if raw]
         self._cached = (now, records)
@@ -60,3 +57,16 @@ class WorkerDirectory:
         if name not in served:
             raise model_not_found(name)
         return name, served[name]
+
+
+async def supervised_children(redis: Redis, keys: Keys) -> list[ChildStatus]:
+    """The processes live `ladle up` supervisors run (none without `ladle up`)."""
+    await redis.zremrangebyscore(keys.supervisors, "-inf", time.time() - 10.0)
+    ids = [_text(i) for i in await redis.zrange(keys.supervisors, 0, -1)]
+    raws = await redis.mget([keys.supervisor(i) for i in ids]) if ids else []
+    records = [SupervisorRecord.model_validate_json(raw) for raw in raws if raw]
+    return [child for record in records for child in record.children]
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

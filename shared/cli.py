@@ -1,6 +1,7 @@
 """`ladle` (`python -m shared.cli`): run the whole service, or one of its processes.
 
-    ladle up [--workers N] [--port P] [--model M]   Redis (found or started), API, N workers
+    ladle up [--workers N] [--port P] [--model M]   Redis (found or started), API, N workers,
+                                                    restarted when they crash
     ladle api [ARGS...]                             python -m api ARGS
     ladle worker [ARGS...]                          python -m worker ARGS
     ladle generate [ARGS...]                        python -m worker.engine.cli ARGS (no Redis)
@@ -48,8 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Use the Redis at LLM_REDIS_URL if it answers, else start a private "
         "redis-server, else an embedded broker (fakeredis; for trying Ladle out, "
         "not production). Then start the API and the workers, wait until GET "
-        "/ready answers 200, and print where to point a client. Ctrl-C stops "
-        "everything gracefully (twice: at once).",
+        "/ready answers 200, and print where to point a client. A process that exits "
+        "on its own is restarted (LLM_RESTART_BACKOFF_S doubling to "
+        "LLM_RESTART_BACKOFF_MAX_S) until it crashes LLM_CRASH_LOOP_MAX_CRASHES times "
+        "within LLM_CRASH_LOOP_WINDOW_S; the others keep serving. Runs until Ctrl-C, "
+        "which stops everything gracefully (twice: at once).",
     )
     up.add_argument("--workers", type=_positive_int, default=1, help="worker processes (1)")
     up.add_argument("--host", help="API bind address (LLM_HOST, default 127.0.0.1)")
@@ -67,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=600.0,
         metavar="S",
-        help="give up if the API is not ready after S seconds (600)",
+        help="log an error if the API is not ready after S seconds (600); it keeps trying",
     )
     up.add_argument(
         "--shutdown-timeout",

@@ -62,6 +62,21 @@ class Settings(BaseSettings):
     worker_max_queued: int = Field(4, ge=0, description="jobs taken beyond what can run now")
     worker_metrics_port: int = Field(9101, ge=0, description="worker /metrics port; 0: off")
 
+    # Supervisor (`ladle up`): restarts children that exit unexpectedly
+    restart_backoff_s: float = Field(
+        1.0, gt=0, description="first restart delay; doubles per crash up to the max"
+    )
+    restart_backoff_max_s: float = Field(
+        30.0, gt=0, description="longest restart delay; a child up this long starts again at 1"
+    )
+    crash_loop_max_crashes: int = Field(
+        5, ge=1, description="crashes within the window after which a child is not restarted"
+    )
+    crash_loop_window_s: float = Field(300.0, gt=0)
+    supervisor_metrics_port: int = Field(
+        9100, ge=0, description="`ladle up`'s own /metrics port (restarts); 0: off"
+    )
+
     # API behaviour
     host: str = "127.0.0.1"
     port: int = 8000

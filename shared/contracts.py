@@ -246,6 +246,31 @@ class WorkerRecord(_Wire):
     heartbeat_at: float = Field(default_factory=time.time)
 
 
+ChildState = Literal["running", "restarting", "given_up", "stopped"]
+
+
+class ChildStatus(BaseModel):
+    """One process `ladle up` supervises, as its supervisor last saw it."""
+
+    name: str
+    state: ChildState
+    pid: int | None = None
+    restarts: int = 0
+    recent_crashes: int = 0
+    last_exit: str | None = None
+    message: str | None = None
+
+
+class SupervisorRecord(_Wire):
+    """What a `ladle up` supervisor says about its children (read by `/ready`)."""
+
+    supervisor_id: str
+    host: str
+    pid: int
+    children: list[ChildStatus] = Field(default_factory=list)
+    updated_at: float = Field(default_factory=time.time)
+
+
 class ChoiceResult(BaseModel):
     index: int
     text: str

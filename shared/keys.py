@@ -29,6 +29,14 @@ class Keys:
         """Pub/sub channel the API pings after enqueueing, so idle workers poll at once."""
         return f"{self.prefix}:wake"
 
+    @property
+    def supervisors(self) -> str:
+        """Sorted set: `ladle up` supervisor id -> last update time."""
+        return f"{self.prefix}:supervisors"
+
+    def supervisor(self, supervisor_id: str) -> str:
+        return f"{self.prefix}:supervisor:{supervisor_id}"
+
     def worker(self, worker_id: str) -> str:
         return f"{self.prefix}:worker:{worker_id}"
 

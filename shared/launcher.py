@@ -2,8 +2,8 @@
 
 The children are `python -m api` and `python -m worker`, started in their own sessions so the
 launcher alone decides how they stop: on SIGINT/SIGTERM it sends each SIGTERM, waits for the
-workers to drain, then kills what is left (a second signal kills at once). A child that dies on
-its own takes the rest down with it and the launcher exits non-zero.
+workers to drain, then kills what is left (a second signal kills at once). A child that exits
+on its own is restarted with backoff (`shared/supervisor.py`); the others keep serving.
 """
 
 from __future__ import annotations
@@ -12,17 +12,27 @@ import logging
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from prometheus_client import start_http_server
 
 from shared.broker import BrokerError, find_or_start_redis, safe_url
 from shared.config import Settings
+from shared.keys import Keys
 from shared.logging import setup_logging
+from shared.metrics import SupervisorMetrics
+from shared.supervisor import (
+    ChildSpec,
+    RestartPolicy,
+    StatusPublisher,
+    Supervisor,
+    describe_exit,
+)
 
 logger = logging.getLogger("ladle.launcher")
 
@@ -42,25 +52,6 @@ class UpOptions:
     start_redis: bool = True
     ready_timeout_s: float = 600.0
     shutdown_timeout_s: float | None = None
-
-
-@dataclass
-class ChildSpec:
-    """One child process to run: a name for logs, its argv and its full environment."""
-
-    name: str
-    argv: list[str]
-    env: dict[str, str]
-
-
-@dataclass
-class Child:
-    spec: ChildSpec
-    proc: subprocess.Popen = field(repr=False)
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
 
 
 def settings_for(options: UpOptions) -> Settings:
@@ -145,61 +136,6 @@ def banner(settings: Settings) -> str:
     )
 
 
-class Supervisor:
-    """Starts child processes, notices when one exits, stops them all."""
-
-    def __init__(self, specs: Sequence[ChildSpec]) -> None:
-        self.specs = list(specs)
-        self.children: list[Child] = []
-
-    def start(self) -> None:
-        for spec in self.specs:
-            proc = subprocess.Popen(spec.argv, env=spec.env, start_new_session=True)
-            self.children.append(Child(spec, proc))
-            logger.info("started %s (pid %d): %s", spec.name, proc.pid, " ".join(spec.argv[1:]))
-
-    def first_exited(self) -> Child | None:
-        """A child that has exited, if any."""
-        return next((c for c in self.children if c.proc.poll() is not None), None)
-
-    def stop(self, timeout_s: float, force: Callable[[], bool] = lambda: False) -> None:
-        """SIGTERM every child, wait up to `timeout_s` (or until `force()`), then SIGKILL."""
-        for child in self._alive():
-            _send(child, signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        while self._alive() and time.monotonic() < deadline and not force():
-            time.sleep(0.1)
-        for child in self._alive():
-            logger.warning("%s did not stop in time; killing it", child.name)
-            _send(child, signal.SIGKILL)
-        for child in self.children:
-            child.proc.wait()
-            logger.info("%s exited (%s)", child.name, describe_exit(child.proc.returncode))
-
-    def any_alive(self) -> bool:
-        return bool(self._alive())
-
-    def _alive(self) -> list[Child]:
-        return [c for c in self.children if c.proc.poll() is None]
-
-
-def describe_exit(code: int | None) -> str:
-    """`code 3`, or `signal SIGTERM` for a negative Popen return code."""
-    if code is not None and code < 0:
-        try:
-            return f"signal {signal.Signals(-code).name}"
-        except ValueError:
-            pass
-    return f"code {code}"
-
-
-def _send(child: Child, sig: signal.Signals) -> None:
-    try:
-        child.proc.send_signal(sig)
-    except ProcessLookupError:
-        pass
-
-
 class SignalLatch:
     """Counts SIGINT/SIGTERM while installed; restores the previous handlers on exit."""
 
@@ -234,26 +170,29 @@ def supervise(
     ready_timeout_s: float,
     on_ready: Callable[[], None],
     poll_s: float = 0.25,
+    on_tick: Callable[[], None] = lambda: None,
 ) -> int:
-    """Watch the children until a signal (0) or an unexpected exit / readiness timeout (1)."""
+    """Keep the children running until a signal (0). Exits early (1) only when every child
+    has crash-looped and been given up: there is nothing left to supervise."""
     started = time.monotonic()
-    is_ready, next_note = False, started + 15.0
+    is_ready, warned, next_note = False, False, started + 15.0
     while not latch.count:
-        dead = sup.first_exited()
-        if dead is not None:
-            logger.error(
-                "%s exited unexpectedly (%s); stopping the rest",
-                dead.name,
-                describe_exit(dead.proc.returncode),
-            )
+        sup.check()
+        on_tick()
+        if sup.all_given_up():
+            logger.error("every process crash-looped and was given up; exiting")
             return 1
         now = time.monotonic()
         if not is_ready and probe_ready(ready_url):
             is_ready = True
             on_ready()
-        elif not is_ready and now - started > ready_timeout_s:
-            logger.error("not ready after %.0f s (%s); stopping", ready_timeout_s, ready_url)
-            return 1
+        elif not is_ready and not warned and now - started > ready_timeout_s:
+            warned = True
+            logger.error(
+                "not ready after %.0f s (%s); still trying: see the workers' logs",
+                ready_timeout_s,
+                ready_url,
+            )
         elif not is_ready and now > next_note:
             logger.info("waiting for %s (workers load the model first)...", ready_url)
             next_note = now + 15.0
@@ -274,7 +213,14 @@ def run_up(options: UpOptions) -> int:
     shutdown_s = options.shutdown_timeout_s
     if shutdown_s is None:
         shutdown_s = settings.shutdown_timeout_s + SHUTDOWN_MARGIN_S
-    sup = Supervisor(child_specs(settings, options.num_workers, dict(os.environ)))
+    metrics = SupervisorMetrics()
+    sup = Supervisor(
+        child_specs(settings, options.num_workers, dict(os.environ)),
+        RestartPolicy.from_settings(settings),
+        on_restart=lambda name: metrics.restarts.labels(child=name).inc(),
+    )
+    publisher = StatusPublisher(broker.url, Keys(settings.key_prefix))
+    _serve_metrics(settings, metrics)
     logger.info(
         "starting the API on %s and %d worker(s); Redis (%s) at %s",
         base_url(settings),
@@ -291,10 +237,35 @@ def run_up(options: UpOptions) -> int:
                 base_url(settings) + "/ready",
                 options.ready_timeout_s,
                 on_ready=lambda: print(banner(settings), flush=True),
+                on_tick=lambda: _report(sup, metrics, publisher),
             )
             sup.stop(shutdown_s, force=lambda: latch.count > 1)
     finally:
         if sup.any_alive():  # an exception got here first
             sup.stop(0)
+        publisher.remove()
         broker.stop()
     return code
+
+
+def _report(sup: Supervisor, metrics: SupervisorMetrics, publisher: StatusPublisher) -> None:
+    """The children's states as gauges, and in Redis for `/ready`."""
+    statuses = sup.statuses()
+    for status in statuses:
+        metrics.child_up.labels(child=status.name).set(1 if status.state == "running" else 0)
+        metrics.given_up.labels(child=status.name).set(1 if status.state == "given_up" else 0)
+    publisher.publish(statuses)
+
+
+def _serve_metrics(settings: Settings, metrics: SupervisorMetrics) -> None:
+    port = settings.supervisor_metrics_port
+    if not port:
+        return
+    try:
+        start_http_server(port, addr=settings.host, registry=metrics.registry)
+        logger.info("supervisor metrics on http://%s:%d/metrics", settings.host, port)
+    except OSError as exc:
+        logger.warning("supervisor metrics port %d unavailable: %s", port, exc)
+
+
+__all__ = ["ChildSpec", "Supervisor", "describe_exit", "run_up", "supervise"]

@@ -80,6 +80,19 @@ PREEMPTIONS = MetricSpec("llm_num_preemptions", "preempted sequences", Counter)
 PREFIX_CACHE_QUERIES = MetricSpec("llm_prefix_cache_queries", "prompt tokens looked up", Counter)
 PREFIX_CACHE_HITS = MetricSpec("llm_prefix_cache_hits", "prompt tokens found cached", Counter)
 
+SUPERVISOR_RESTARTS = MetricSpec(
+    "llm_supervisor_restarts", "children ladle up restarted", Counter, ("child",)
+)
+SUPERVISOR_CHILD_UP = MetricSpec(
+    "llm_supervisor_child_up", "1 while a supervised child runs, else 0", Gauge, ("child",)
+)
+SUPERVISOR_GIVEN_UP = MetricSpec(
+    "llm_supervisor_child_given_up",
+    "1 once a child crash-looped and is not restarted",
+    Gauge,
+    ("child",),
+)
+
 
 class ApiMetrics:
     """What an API process exposes."""
@@ -119,6 +132,17 @@ class WorkerMetrics:
         self.preemptions = PREEMPTIONS.create(r)
         self.prefix_cache_queries = PREFIX_CACHE_QUERIES.create(r)
         self.prefix_cache_hits = PREFIX_CACHE_HITS.create(r)
+
+
+class SupervisorMetrics:
+    """What `ladle up` exposes on LLM_SUPERVISOR_METRICS_PORT."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.restarts = SUPERVISOR_RESTARTS.create(r)
+        self.child_up = SUPERVISOR_CHILD_UP.create(r)
+        self.given_up = SUPERVISOR_GIVEN_UP.create(r)
 
 
 def render(registry: CollectorRegistry) -> tuple[bytes, str]:

@@ -31,6 +31,8 @@ def test_compose_services() -> None:
     assert services["api"]["ports"] == ["${LLM_PORT:-8000}:8000"]
     assert services["worker"]["command"] == ["python", "-m", "worker"]
     assert services["worker"]["deploy"]["replicas"] == "${WORKERS:-1}"
+    # Every service comes back after a crash, like `ladle up`'s children (docs/reliability.md).
+    assert {s.get("restart") for s in services.values()} == {"unless-stopped"}
     assert (
         "./deploy/prometheus.yml:/etc/prometheus/prometheus.yml:ro"
         in (services["prometheus"]["volumes"])
