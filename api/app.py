@@ -15,8 +15,12 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from api import routes_jobs, routes_openai, routes_ops
+from api import routes_batches, routes_files, routes_jobs, routes_openai, routes_ops
+from api.batch_control import BatchControl
+from api.batch_runner import BatchRunner
+from api.batches import BatchStore
 from api.errors import install_error_handlers
+from api.files import FileStore
 from api.jobs import JobStore
 from api.middleware import BodyLimitMiddleware, RequestContextMiddleware
 from api.prompting import TokenizerHolder
@@ -46,7 +50,7 @@ def make_redis(settings: Settings, keys: Keys) -> ArqRedis:
         pool,
         job_serializer=serialize_job,
         job_deserializer=deserialize_job,
-        default_queue_name=keys.queue,
+        default_queue_name=keys.batch_control_queue,
     )
 
 
@@ -57,15 +61,18 @@ def build_services(
 ) -> Services:
     keys = Keys(settings.key_prefix)
     redis = redis if redis is not None else make_redis(settings, keys)
+    workers = WorkerDirectory(redis, keys, settings.worker_ttl_s)
     return Services(
         settings=settings,
         keys=keys,
         redis=redis,
         relay=Relay(redis, keys, verify_delay_s=max(2.0, 5 * settings.heartbeat_interval_s)),
         jobs=JobStore(redis, keys, settings),
-        workers=WorkerDirectory(redis, keys, settings.worker_ttl_s),
-        tokenizer=TokenizerHolder(settings, tokenizer_loader),
+        workers=workers,
+        tokenizer=TokenizerHolder(settings, tokenizer_loader, workers.source),
         metrics=ApiMetrics(),
+        files=FileStore(redis, keys, settings.file_ttl_s),
+        batches=BatchStore(redis, keys),
     )
 
 
@@ -86,7 +93,14 @@ def create_app(
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         services.tokenizer.preload()
         services.relay.start()
+        control = None
+        if settings.batch_control:
+            runner = BatchRunner(services, services.batches, services.files)
+            control = BatchControl(services, runner)
+            control.start()
         yield
+        if control is not None:
+            await control.stop()
         await services.relay.stop()
         await services.jobs.drain()
         await services.redis.aclose()
@@ -99,9 +113,14 @@ def create_app(
     )
     app.state.services = services
     install_error_handlers(app)
-    for module in (routes_openai, routes_jobs, routes_ops):
+    for module in (routes_openai, routes_jobs, routes_files, routes_batches, routes_ops):
         app.include_router(module.router)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes)
+    upload_limit = settings.file_max_bytes + routes_files.UPLOAD_OVERHEAD_BYTES
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_bytes=settings.max_request_body_bytes,
+        path_limits={"/v1/files": max(upload_limit, settings.max_request_body_bytes)},
+    )
     if settings.cors_origins:
         app.add_middleware(
             CORSMiddleware,

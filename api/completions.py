@@ -21,7 +21,7 @@ from api.protocol import URL_TO_ENDPOINT, ChatCompletionRequest, OpenAIRequest
 from api.relay import Subscription
 from api.services import Services
 from api.streaming import StreamInconsistent, StreamTranslator
-from shared.contracts import DoneEvent, ErrorEvent, JobPayload, StreamEvent
+from shared.contracts import DoneEvent, ErrorEvent, JobPayload, Lane, StreamEvent
 from shared.logging import job_id_var, request_id_var
 
 log = logging.getLogger(__name__)
@@ -50,24 +50,38 @@ def parse_dict(body: dict[str, Any], model: type[M]) -> M:
 
 
 async def prepare_job(
-    services: Services, body: OpenAIRequest, *, api_key_id: str | None, deadline_s: float | None
+    services: Services,
+    body: OpenAIRequest,
+    *,
+    api_key_id: str | None,
+    deadline_s: float | None,
+    job_id: str | None = None,
+    lane: Lane = "interactive",
 ) -> JobPayload:
-    """Limits, model, prompt length: everything checked before a job exists."""
-    check_limits(body, services.settings)
-    model, max_model_len = await services.workers.resolve(body.model, services.settings.model_id)
-    tokenizer = await services.tokenizer.get()
+    """Limits, model, prompt length: everything checked before a job exists.
+
+    A batch line (`lane="batch"`) may name a model whose workers are all away for now: it
+    waits in that model's queue instead of failing."""
+    settings = services.settings
+    check_limits(body, settings)
+    model = await services.workers.resolve(
+        body.model, settings.model_id, require_live=lane == "interactive"
+    )
+    tokenizer = await services.tokenizer.get(model.name)
     prompt_ids = await prompt_token_ids(tokenizer, body)
     param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
-    max_tokens = check_context(len(prompt_ids), body.max_tokens, max_model_len, param)
+    max_tokens = check_context(len(prompt_ids), body.max_tokens, model.max_model_len, param)
     return build_payload(
         body,
         prompt_token_ids=prompt_ids,
-        job_id=new_job_id(),
-        model=model,
+        job_id=job_id or new_job_id(),
+        model=model.name,
         max_tokens=max_tokens,
         deadline_s=deadline_s,
         request_id=request_id_var.get(),
         api_key_id=api_key_id,
+        priority_range=(settings.priority_min, settings.priority_max),
+        lane=lane,
     )
 
 
@@ -77,7 +91,7 @@ async def echo_text(services: Services, payload: JobPayload) -> str | None:
         return None
     if payload.prompt is not None:
         return payload.prompt
-    tokenizer = await services.tokenizer.get()
+    tokenizer = await services.tokenizer.get(payload.model)
     return await asyncio.to_thread(tokenizer.decode, payload.prompt_token_ids)
 
 
@@ -199,6 +213,7 @@ def observe_done(services: Services, done: DoneEvent) -> None:
     metrics.generation_tokens.inc(done.usage.completion_tokens)
     if t.queued_at and t.started_at:
         metrics.queue_time.observe(max(0.0, t.started_at - t.queued_at))
+        metrics.lane_wait.labels(lane="interactive").observe(max(0.0, t.started_at - t.queued_at))
     if t.queued_at and t.first_token_at:
         metrics.time_to_first_token.observe(max(0.0, t.first_token_at - t.queued_at))
     if t.queued_at and t.finished_at:

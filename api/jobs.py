@@ -20,6 +20,7 @@ from shared.contracts import (
     QUEUED_GRACE_S,
     JobPayload,
     JobRecord,
+    Lane,
     cancelled_event,
     encode_event,
 )
@@ -61,12 +62,12 @@ class JobStore:
         self._cancel_queued = redis.register_script(_CANCEL_QUEUED)
         self._background: set[asyncio.Task] = set()
 
-    async def queue_depth(self) -> int:
-        return int(await self.redis.zcard(self.keys.queue))
+    async def queue_depth(self, model: str, lane: Lane = "interactive") -> int:
+        return int(await self.redis.zcard(self.keys.queue(model, lane)))
 
     async def submit(self, payload: JobPayload, url: str) -> JobRecord:
         """Admit and enqueue; 429 (with Retry-After) when the queue or the key is full."""
-        if await self.queue_depth() >= self.settings.max_queue_depth:
+        if await self.queue_depth(payload.model) >= self.settings.max_queue_depth:
             raise APIError(
                 429,
                 "The queue is full; retry later",
@@ -75,29 +76,52 @@ class JobStore:
             )
         if payload.api_key_id:
             await self._admit_key(payload.api_key_id, payload.id)
+        record, is_new = await self._enqueue(payload, url, only_new=False)
+        if not is_new:
+            raise APIError(500, "Job id collision", error_type="server_error")
+        await self.redis.publish(self.keys.wake_channel, payload.id)
+        return record
+
+    async def submit_line(self, payload: JobPayload, url: str) -> None:
+        """Enqueue a batch line: no admission (its batch is the limit), and idempotent (the
+        id is derived from the batch's): a line submitted again changes nothing."""
+        await self._enqueue(payload, url, only_new=True)
+
+    async def _enqueue(
+        self, payload: JobPayload, url: str, only_new: bool
+    ) -> tuple[JobRecord, bool]:
+        """Write record and payload (with `only_new`, only where absent), then enqueue into
+        the model's queue for the job's lane; whether arq took it as a new job."""
         record = JobRecord(
             id=payload.id,
             url=url,
             model=payload.model,
+            lane=payload.lane,
             api_key_id=payload.api_key_id,
             request_id=payload.request_id,
             created_at=payload.created,
         )
         ttl = QUEUED_GRACE_S + self.settings.job_ttl_s
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.set(self.keys.job(payload.id), record.model_dump_json(), ex=ttl)
-            pipe.set(self.keys.payload(payload.id), payload.model_dump_json(), ex=ttl)
+            pipe.set(self.keys.job(payload.id), record.model_dump_json(), ex=ttl, nx=only_new)
+            pipe.set(self.keys.payload(payload.id), payload.model_dump_json(), ex=ttl, nx=only_new)
             await pipe.execute()
         job = await self.redis.enqueue_job(
             RUN_COMPLETION,
             payload.model_dump_json(),
             _job_id=payload.id,
-            _queue_name=self.keys.queue,
+            _queue_name=self.keys.queue(payload.model, payload.lane),
         )
-        if job is None:
-            raise APIError(500, "Job id collision", error_type="server_error")
-        await self.redis.publish(self.keys.wake_channel, payload.id)
-        return record
+        return record, job is not None
+
+    async def cancel_queued(self, job_id: str) -> None:
+        """Cancel a job only if it is still queued (batch cancel): a running one finishes.
+        The cancel marker makes a worker that takes it meanwhile skip it."""
+        ttl = QUEUED_GRACE_S + self.settings.job_ttl_s
+        await self.redis.set(self.keys.cancelled(job_id), "1", ex=ttl)
+        record = await self.get(job_id)
+        if record is not None and record.status == "queued":
+            await self._try_cancel_queued(record)
 
     async def _admit_key(self, key_id: str, job_id: str) -> None:
         key = self.keys.key_jobs(key_id)
@@ -153,7 +177,7 @@ class JobStore:
                 self.keys.job(record.id),
                 self.keys.stream(record.id),
                 key_jobs,
-                self.keys.queue,
+                self.keys.queue(record.model, record.lane),
                 job_key_prefix + record.id,
                 self.keys.payload(record.id),
                 self.keys.cancelled(record.id),

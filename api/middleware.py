@@ -100,17 +100,21 @@ class _BodyTooLarge(Exception):
 class BodyLimitMiddleware:
     """413 for bodies over the limit: by Content-Length up front, else while reading (chunked)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(
+        self, app: ASGIApp, max_bytes: int, path_limits: dict[str, int] | None = None
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.path_limits = path_limits or {}  # e.g. file uploads: their own, larger limit
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        max_bytes = self.path_limits.get(scope.get("path", ""), self.max_bytes)
         length = _header(scope, b"content-length")
-        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
-            await self._reject(send)
+        if length is not None and (not length.isdigit() or int(length) > max_bytes):
+            await self._reject(send, max_bytes)
             return
         received = 0
         started = False
@@ -120,7 +124,7 @@ class BodyLimitMiddleware:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_bytes:
+                if received > max_bytes:
                     raise _BodyTooLarge
             return message
 
@@ -133,9 +137,9 @@ class BodyLimitMiddleware:
             await self.app(scope, limited_receive, tracking_send)
         except _BodyTooLarge:
             if not started:
-                await self._reject(send)
+                await self._reject(send, max_bytes)
 
-    async def _reject(self, send: Send) -> None:
-        message = f"Request body larger than {self.max_bytes} bytes"
+    async def _reject(self, send: Send, max_bytes: int) -> None:
+        message = f"Request body larger than {max_bytes} bytes"
         body = error_body(message, "invalid_request_error", code="request_too_large")
         await send_json(send, 413, body)

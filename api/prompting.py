@@ -8,13 +8,13 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from api.errors import APIError
 from api.protocol import ChatCompletionRequest, CompletionRequest, OpenAIRequest
 from shared.config import Settings
-from shared.contracts import JobPayload, SamplingSpec
+from shared.contracts import JobPayload, Lane, SamplingSpec
 from shared.errors import InvalidRequestError, check_context_length
 
 log = logging.getLogger(__name__)
@@ -27,26 +27,47 @@ def _default_loader(settings: Settings) -> Any:
 
 
 class TokenizerHolder:
-    """Loads the tokenizer lazily, once per process, in a thread."""
+    """Each model's tokenizer, loaded lazily (once per process and model) in a thread.
 
-    def __init__(self, settings: Settings, loader: Callable[[Settings], Any] | None = None) -> None:
+    The configured model loads from LLM_MODEL_NAME; any other from the source its workers
+    report (`sources`), so the API must read the same path (docker: the same volume)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        loader: Callable[[Settings], Any] | None = None,
+        sources: Callable[[str], Awaitable[str | None]] | None = None,
+    ) -> None:
         self._settings = settings
         self._loader = loader or _default_loader
-        self._task: asyncio.Task | None = None
+        self._sources = sources
+        self._tasks: dict[str, asyncio.Task] = {}
 
     def preload(self) -> None:
-        """Start loading in the background so the first request does not pay for it."""
-        if self._task is None:
-            self._task = asyncio.create_task(asyncio.to_thread(self._loader, self._settings))
+        """Start loading the configured model's tokenizer so the first request does not wait."""
+        self._start(self._settings.model_id, self._settings)
 
-    async def get(self) -> Any:
-        self.preload()
-        assert self._task is not None
+    def _start(self, model: str, settings: Settings) -> asyncio.Task:
+        if model not in self._tasks:
+            self._tasks[model] = asyncio.create_task(asyncio.to_thread(self._loader, settings))
+        return self._tasks[model]
+
+    async def _settings_for(self, model: str) -> Settings:
+        if model == self._settings.model_id or self._sources is None:
+            return self._settings
+        source = await self._sources(model)
+        if source is None:
+            raise APIError(503, f"The tokenizer of `{model}` is unknown", code="tokenizer_error")
+        return self._settings.model_copy(update={"model_name": source})
+
+    async def get(self, model: str | None = None) -> Any:
+        model = model or self._settings.model_id
+        task = self._tasks.get(model) or self._start(model, await self._settings_for(model))
         try:
-            return await asyncio.shield(self._task)
+            return await asyncio.shield(task)
         except Exception as exc:
-            log.error("tokenizer failed to load", extra={"error": repr(exc)})
-            self._task = None  # try again on the next request
+            log.error("tokenizer failed to load", extra={"model": model, "error": repr(exc)})
+            self._tasks.pop(model, None)  # try again on the next request
             raise APIError(
                 503, "The tokenizer could not be loaded", code="tokenizer_error"
             ) from exc
@@ -113,6 +134,12 @@ def sampling_spec(request: OpenAIRequest, max_tokens: int) -> SamplingSpec:
     return SamplingSpec.model_validate(fields)
 
 
+def clamp_priority(priority: int, allowed: tuple[int, int]) -> int:
+    """A client's `priority` within the range its key may use (lower runs first)."""
+    low, high = allowed
+    return min(max(priority, low), high)
+
+
 def build_payload(
     request: OpenAIRequest,
     *,
@@ -123,6 +150,8 @@ def build_payload(
     deadline_s: float | None,
     request_id: str | None,
     api_key_id: str | None,
+    priority_range: tuple[int, int],
+    lane: Lane = "interactive",
 ) -> JobPayload:
     """The normalised job the worker runs: token ids to run, text for logs and echo."""
     common: dict[str, Any] = {
@@ -131,7 +160,8 @@ def build_payload(
         "prompt_token_ids": prompt_token_ids,
         "sampling": sampling_spec(request, max_tokens),
         "stream": request.stream,
-        "priority": request.priority,
+        "priority": clamp_priority(request.priority, priority_range),
+        "lane": lane,
         "deadline": time.time() + deadline_s if deadline_s else None,
         "request_id": request_id,
         "api_key_id": api_key_id,

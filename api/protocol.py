@@ -157,6 +157,27 @@ class JobCreateRequest(_Body):
     body: dict[str, Any]
 
 
+class BatchCreateRequest(_Body):
+    """`POST /v1/batches`, as OpenAI takes it."""
+
+    input_file_id: str = Field(min_length=1, max_length=200)
+    endpoint: Literal["/v1/chat/completions", "/v1/completions"]
+    completion_window: Literal["24h"]
+    metadata: dict[str, str] | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _check_metadata(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        if value is None:
+            return None
+        if len(value) > 16:
+            raise ValueError("at most 16 metadata pairs")
+        for key, item in value.items():
+            if len(key) > 64 or len(item) > 512:
+                raise ValueError("metadata keys are at most 64 characters, values 512")
+        return value
+
+
 class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None

@@ -79,7 +79,7 @@ async def _model_len(services: Services, requested: str | None) -> int | None:
 async def tokenize(request: Request, services: Services = Depends(get_services)) -> dict:
     body = await parse_body(request, TokenizeRequest)
     max_model_len = await _model_len(services, body.model)
-    tokenizer = await services.tokenizer.get()
+    tokenizer = await services.tokenizer.get(body.model)
     if body.messages is not None:
         chat = ChatCompletionRequest(
             messages=body.messages, add_generation_prompt=body.add_generation_prompt
@@ -100,7 +100,7 @@ async def tokenize(request: Request, services: Services = Depends(get_services))
 async def detokenize(request: Request, services: Services = Depends(get_services)) -> dict:
     body = await parse_body(request, DetokenizeRequest)
     await _model_len(services, body.model)
-    tokenizer = await services.tokenizer.get()
+    tokenizer = await services.tokenizer.get(body.model)
     try:
         text = await asyncio.to_thread(tokenizer.decode, body.tokens)
     except (ValueError, OverflowError, TypeError) as exc:

@@ -52,11 +52,23 @@ async def ready(services: Services = Depends(get_services)) -> JSONResponse:
 async def metrics(services: Services = Depends(get_services)) -> Response:
     """Prometheus text format; needs a key when keys are set (Prometheus: `authorization`)."""
     try:
-        services.metrics.pending_requests.set(await services.jobs.queue_depth())
+        await _observe_lanes(services)
     except (RedisError, OSError):
         pass  # the rest of the metrics are still worth scraping
     body, content_type = render(services.metrics.registry)
     return Response(body, media_type=content_type)
+
+
+async def _observe_lanes(services: Services) -> None:
+    """Queue depth of every known model's lanes; llm_pending_requests sums the interactive."""
+    models = set(await services.workers.known()) | {services.settings.model_id}
+    num_interactive = 0
+    for model in sorted(models):
+        for lane in ("interactive", "batch"):
+            depth = await services.jobs.queue_depth(model, lane)
+            services.metrics.lane_queue_depth.labels(model=model, lane=lane).set(depth)
+            num_interactive += depth if lane == "interactive" else 0
+    services.metrics.pending_requests.set(num_interactive)
 
 
 @router.get("/v1/workers", dependencies=[Depends(require_api_key)])

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from arq.connections import ArqRedis
 from fastapi import Request
 
+from api.batches import BatchStore
+from api.files import FileStore
 from api.jobs import JobStore
 from api.prompting import TokenizerHolder
 from api.relay import Relay
@@ -26,6 +28,8 @@ class Services:
     workers: WorkerDirectory
     tokenizer: TokenizerHolder
     metrics: ApiMetrics
+    files: FileStore
+    batches: BatchStore
 
 
 def get_services(request: Request) -> Services:

@@ -7,7 +7,7 @@ import time
 from redis.asyncio import Redis
 
 from api.errors import APIError, model_not_found
-from shared.contracts import ChildStatus, SupervisorRecord, WorkerRecord
+from shared.contracts import ChildStatus, ModelInfo, SupervisorRecord, WorkerRecord
 from shared.keys import Keys
 
 
@@ -43,20 +43,42 @@ class WorkerDirectory:
             )
         return served
 
-    async def resolve(self, requested: str | None, default: str) -> tuple[str, int]:
-        """(model name, max_model_len) for a request; 503 without workers, 404 if unknown."""
-        served = await self.models()
-        if not served:
+    async def known(self) -> dict[str, ModelInfo]:
+        """Models served lately (workers write them each heartbeat), live or not."""
+        raw = await self.redis.hgetall(self.keys.models)
+        infos = (ModelInfo.model_validate_json(value) for value in raw.values())
+        return {info.name: info for info in infos}
+
+    async def resolve(
+        self, requested: str | None, default: str, *, require_live: bool = True
+    ) -> ModelInfo:
+        """The model a request names (or the default): 404 `model_not_found` for a model no
+        worker has served lately, 503 with Retry-After for one whose workers are all gone
+        (unless `require_live` is off: batch lines wait in the model's queue)."""
+        live = {r.model: r for r in await self.live() if r.status != "draining"}
+        name = requested or (default if default in live or not live else min(live))
+        if name in live:
+            served = await self.models()
+            return ModelInfo.of(live[name]).model_copy(update={"max_model_len": served[name]})
+        known = await self.known()
+        if name not in known and name != default:
+            raise model_not_found(name)
+        if require_live or name not in known:
             raise APIError(
                 503,
-                "No worker is serving any model right now; try again later",
+                f"No worker is serving the model `{name}` right now; try again later",
                 code="no_workers",
                 headers={"Retry-After": "5"},
             )
-        name = requested or (default if default in served else next(iter(served)))
-        if name not in served:
-            raise model_not_found(name)
-        return name, served[name]
+        return known[name]
+
+    async def source(self, name: str) -> str | None:
+        """Where the model `name` loads from (a live worker's or the last known one's)."""
+        for record in await self.live():
+            if record.model == name and record.model_source:
+                return record.model_source
+        info = (await self.known()).get(name)
+        return info.source if info is not None and info.source else None
 
 
 async def supervised_children(redis: Redis, keys: Keys) -> list[ChildStatus]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -92,6 +92,24 @@ class Settings(BaseSettings):
     job_ttl_s: int = Field(3600, ge=1, description="how long finished jobs and streams stay")
     stream_maxlen: int = Field(10_000, ge=100)
     log_level: str = "INFO"
+
+    # Priority, lanes and the Batch API
+    priority_min: int = Field(0, description="lowest `priority` value a client may ask for")
+    priority_max: int = Field(100, description="highest `priority` value a client may ask for")
+    batch_reserved_seqs: int = Field(
+        8, ge=0, description="sequence slots a worker never fills with batch lines"
+    )
+    file_max_bytes: int = Field(50_000_000, ge=1024, description="largest upload to /v1/files")
+    file_ttl_s: int = Field(30 * 86_400, ge=60, description="how long files stay in Redis")
+    batch_max_lines: int = Field(50_000, ge=1, description="most lines in one batch input file")
+    batch_poll_s: float = Field(1.0, gt=0, description="how often a batch's results are collected")
+    batch_control: bool = Field(True, description="this API process runs batch expansion work")
+
+    @model_validator(mode="after")
+    def _check_priority_range(self) -> Settings:
+        if self.priority_min > self.priority_max:
+            raise ValueError("priority_min must not be above priority_max")
+        return self
 
     @field_validator("api_keys", "cors_origins", mode="before")
     @classmethod

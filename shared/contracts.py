@@ -14,6 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator,
 WIRE_VERSION = 1
 
 Endpoint = Literal["completions", "chat.completions"]
+# Interactive requests run before batch lines, always (queues, admission, the scheduler).
+Lane = Literal["interactive", "batch"]
 JobStatus = Literal["queued", "in_progress", "completed", "failed", "cancelled"]
 FINAL_STATUSES: frozenset[str] = frozenset({"completed", "failed", "cancelled"})
 # A queued job's record, payload and cancel marker must outlive its wait in the queue
@@ -113,6 +115,7 @@ class JobPayload(_Wire):
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
     stream: bool = False
     priority: int = 0
+    lane: Lane = "interactive"
     deadline: float | None = None
     request_id: str | None = None
     api_key_id: str | None = None
@@ -232,6 +235,7 @@ class WorkerRecord(_Wire):
     host: str
     pid: int
     model: str
+    model_source: str = ""  # the worker's LLM_MODEL_NAME: where its tokenizer loads from
     device: str
     dtype: str
     status: Literal["starting", "ready", "draining"] = "ready"
@@ -271,6 +275,21 @@ class SupervisorRecord(_Wire):
     updated_at: float = Field(default_factory=time.time)
 
 
+class ModelInfo(_Wire):
+    """A served model as its workers last described it (`Keys.models`), so the API knows a
+    model whose workers are all away (503, not 404) and where to load its tokenizer."""
+
+    name: str
+    source: str
+    max_model_len: int
+
+    @classmethod
+    def of(cls, record: WorkerRecord) -> ModelInfo:
+        return cls(
+            name=record.model, source=record.model_source, max_model_len=record.max_model_len
+        )
+
+
 class ChoiceResult(BaseModel):
     index: int
     text: str
@@ -295,6 +314,7 @@ class JobRecord(_Wire):
     status: JobStatus = "queued"
     url: str
     model: str
+    lane: Lane = "interactive"
     api_key_id: str | None = None
     request_id: str | None = None
     attempts: int = 0

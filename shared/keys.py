@@ -9,10 +9,53 @@ from dataclasses import dataclass
 class Keys:
     prefix: str = "ladle"
 
+    def queue(self, model: str, lane: str = "interactive") -> str:
+        """A model's arq queue for one lane (a sorted set of job ids): interactive requests
+        in `{p}:queue:{model}`, batch lines in `{p}:queue:{model}:batch`."""
+        base = f"{self.prefix}:queue:{model}"
+        return base if lane == "interactive" else f"{base}:{lane}"
+
     @property
-    def queue(self) -> str:
-        """The arq queue (a sorted set of job ids)."""
-        return f"{self.prefix}:queue"
+    def models(self) -> str:
+        """Hash: served model name -> its `ModelInfo` JSON (workers write it each heartbeat)."""
+        return f"{self.prefix}:models"
+
+    @property
+    def batch_control_queue(self) -> str:
+        """The arq queue of batch expansion and collection work (API processes run it)."""
+        return f"{self.prefix}:batchctl"
+
+    def file(self, file_id: str) -> str:
+        """Hash: `meta` (FileRecord JSON) and `content` (the bytes)."""
+        return f"{self.prefix}:file:{file_id}"
+
+    def files(self, owner: str) -> str:
+        """Sorted set: an owner's file ids by creation time."""
+        return f"{self.prefix}:files:{owner}"
+
+    def batch(self, batch_id: str) -> str:
+        """String: the BatchRecord JSON."""
+        return f"{self.prefix}:batch:{batch_id}"
+
+    def batches(self, owner: str) -> str:
+        """Sorted set: an owner's batch ids by creation time."""
+        return f"{self.prefix}:batches:{owner}"
+
+    def batch_results(self, batch_id: str) -> str:
+        """Hash: line number -> `{"kind": "ok"|"err", "line": {...}}`, written once per line."""
+        return f"{self.prefix}:batch:{batch_id}:results"
+
+    def batch_counts(self, batch_id: str) -> str:
+        """Hash: `ok` and `err` -> how many lines have that kind of result."""
+        return f"{self.prefix}:batch:{batch_id}:counts"
+
+    def batch_custom_ids(self, batch_id: str) -> str:
+        """List: the input file's custom_ids in line order (the output needs them)."""
+        return f"{self.prefix}:batch:{batch_id}:custom_ids"
+
+    def batch_lock(self, batch_id: str) -> str:
+        """Held (with a TTL) by whichever process is collecting the batch's results."""
+        return f"{self.prefix}:batch:{batch_id}:lock"
 
     @property
     def workers(self) -> str:

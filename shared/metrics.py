@@ -71,6 +71,16 @@ E2E_LATENCY = MetricSpec(
     (),
     LATENCY_BUCKETS,
 )
+LANE_QUEUE_DEPTH = MetricSpec(
+    "llm_lane_queue_depth", "jobs waiting in a model's lane queue", Gauge, ("model", "lane")
+)
+LANE_WAIT = MetricSpec(
+    "llm_lane_wait_seconds",
+    "time a job waited before a worker started it, by lane",
+    Histogram,
+    ("lane",),
+    LATENCY_BUCKETS + (900, 3600, 14400, 86400),
+)
 KV_CACHE_USAGE_BYTES = MetricSpec("llm_kv_cache_usage_bytes", "KV cache bytes in use", Gauge)
 KV_CACHE_USAGE_RATIO = MetricSpec("llm_kv_cache_usage_ratio", "KV cache blocks used/total", Gauge)
 BATCH_SIZE = MetricSpec("llm_batch_size", "sequences per engine step", Histogram, (), BATCH_BUCKETS)
@@ -109,6 +119,8 @@ class ApiMetrics:
         self.queue_time = QUEUE_TIME.create(r)
         self.prompt_tokens = PROMPT_TOKENS.create(r)
         self.generation_tokens = GENERATION_TOKENS.create(r)
+        self.lane_queue_depth = LANE_QUEUE_DEPTH.create(r)
+        self.lane_wait = LANE_WAIT.create(r)
 
 
 class WorkerMetrics:

@@ -13,13 +13,14 @@ from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 from redis.exceptions import RedisError
 
-from shared.contracts import WorkerRecord
+from shared.contracts import ModelInfo, WorkerRecord
 from shared.keys import Keys
 from worker.engine.engine import EngineStats
 
 logger = logging.getLogger(__name__)
 
 ARQ_IN_PROGRESS_PREFIX = "arq:in-progress:"
+MODELS_TTL_S = 86_400
 
 
 class Heartbeat:
@@ -72,6 +73,9 @@ class Heartbeat:
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.set(self.keys.worker(record.worker_id), record.model_dump_json(), px=ttl_ms)
             pipe.zadd(self.keys.workers, {record.worker_id: record.heartbeat_at})
+            # Known models outlive their workers a day: requests get 503, not 404, meanwhile.
+            pipe.hset(self.keys.models, record.model, ModelInfo.of(record).model_dump_json())
+            pipe.expire(self.keys.models, MODELS_TTL_S)
             for job_id in self._job_ids():
                 # SET, not PEXPIRE: a lease that ran out while Redis was away comes back.
                 pipe.set(ARQ_IN_PROGRESS_PREFIX + job_id, b"1", px=ttl_ms)

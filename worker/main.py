@@ -19,7 +19,7 @@ from prometheus_client import start_http_server
 from redis.exceptions import RedisError
 
 from shared.config import Settings, settings_with
-from shared.contracts import ErrorEvent, JobPayload, WorkerRecord
+from shared.contracts import ErrorEvent, JobPayload, Lane, WorkerRecord
 from shared.keys import Keys
 from shared.logging import job_id_var, request_id_var, setup_logging
 from shared.metrics import WorkerMetrics
@@ -37,6 +37,8 @@ from worker.store import REDIS_DOWN_ERRORS
 # room freed by finished jobs. A new job wakes idle workers at once (the API publishes on
 # Keys.wake_channel after enqueueing).
 POLL_S = 0.02
+# Batch lines are not woken for: their lane is looked at this often.
+BATCH_POLL_S = 0.1
 
 logger = logging.getLogger("worker")
 
@@ -69,12 +71,19 @@ async def run_completion(ctx: dict[str, Any], payload_json: str) -> str:
 
 
 class LadleWorker(Worker):
-    """arq's worker, taking only jobs the engine can start soon and surviving Redis blips."""
+    """arq's worker for one lane of the worker's model, taking only jobs the engine can start
+    soon (batch lines: only spare room) and surviving Redis blips."""
 
-    def __init__(self, service: WorkerService, settings: Settings, pool: ArqRedis) -> None:
+    def __init__(
+        self,
+        service: WorkerService,
+        settings: Settings,
+        pool: ArqRedis,
+        lane: Lane = "interactive",
+    ) -> None:
         super().__init__(
             functions=[func(run_completion, name=RUN_COMPLETION, max_tries=settings.job_max_tries)],
-            queue_name=Keys(settings.key_prefix).queue,
+            queue_name=Keys(settings.key_prefix).queue(settings.model_id, lane),
             redis_pool=pool,
             max_jobs=settings.max_batch_size + settings.worker_max_queued,
             job_timeout=settings.job_timeout_s + 30,
@@ -89,6 +98,7 @@ class LadleWorker(Worker):
         # A killed worker's lease runs out after worker_ttl_s (the heartbeat renews it).
         self.in_progress_timeout_s = settings.worker_ttl_s
         self.service = service
+        self.lane = lane
         self._poll_delay = 0.5
 
     async def start_jobs(self, job_ids: list[bytes]) -> None:
@@ -129,7 +139,7 @@ class LadleWorker(Worker):
         """Room for more jobs, counting those arq started that are not yet in the engine."""
         service = self.service
         num_starting = max(self.job_counter - len(service.jobs) - service.num_pending, 0)
-        return service.admission_capacity(num_starting)
+        return service.admission_capacity(num_starting, self.lane)
 
     async def _poll_iteration(self) -> None:
         """One poll, then a wait of POLL_S cut short by a wake-up (the API enqueued a job).
@@ -138,6 +148,9 @@ class LadleWorker(Worker):
         try:
             await super()._poll_iteration()
             self._poll_delay = 0.5
+            if self.lane != "interactive":
+                await asyncio.sleep(BATCH_POLL_S)
+                return
             wake = self.service.wake
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(wake.wait(), POLL_S)
@@ -200,28 +213,33 @@ class WorkerProcess:
         )
         heartbeat.start()
         self._serve_metrics(metrics)
-        worker = LadleWorker(service, s, pool)
+        # One arq worker per lane of this model's queues, sharing the engine and admission.
+        workers = [LadleWorker(service, s, pool, lane) for lane in ("interactive", "batch")]
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(sig, self._stopping.set)
-        runner = asyncio.create_task(worker.async_run())
-        runner.add_done_callback(self._on_runner_exit)
+        runners = [asyncio.create_task(w.async_run()) for w in workers]
+        for runner in runners:
+            runner.add_done_callback(self._on_runner_exit)
         logger.info(
             "worker %s ready: model %s on %s", self.worker_id, s.model_id, engine.executor.device
         )
         await self._stopping.wait()
-        await self._drain(service, worker)
+        await self._drain(service, workers)
         await heartbeat.stop()
         await heartbeat.remove()
-        runner.cancel()
-        await asyncio.gather(runner, return_exceptions=True)
-        await worker.close()
+        for runner in runners:
+            runner.cancel()
+        await asyncio.gather(*runners, return_exceptions=True)
+        await workers[0].close()  # closes the shared pool too: the other worker only waits
+        await asyncio.gather(*workers[1].tasks.values(), return_exceptions=True)
         await service.stop()
         logger.info("worker %s stopped", self.worker_id)
 
-    async def _drain(self, service: WorkerService, worker: LadleWorker) -> None:
+    async def _drain(self, service: WorkerService, workers: list[LadleWorker]) -> None:
         """Stop taking jobs; let running ones finish within the timeout; hand back the rest."""
         service.draining = True
-        worker.allow_pick_jobs = False
+        for worker in workers:
+            worker.allow_pick_jobs = False
         logger.info(
             "draining %d jobs (up to %.0f s)", len(service.jobs), self.settings.shutdown_timeout_s
         )
@@ -231,7 +249,7 @@ class WorkerProcess:
         handed = service.hand_back_all()
         if handed:
             logger.info("handing %d unfinished jobs back to the queue", len(handed))
-        tasks = [t for t in worker.tasks.values() if not t.done()]
+        tasks = [t for w in workers for t in w.tasks.values() if not t.done()]
         if tasks:
             await asyncio.wait(tasks, timeout=10)
 
@@ -250,6 +268,7 @@ class WorkerProcess:
             host=socket.gethostname(),
             pid=os.getpid(),
             model=self.settings.model_id,
+            model_source=self.settings.model_name,
             device=engine.executor.device,
             dtype=engine.executor.dtype,
             max_model_len=engine.max_model_len,
@@ -287,7 +306,7 @@ async def _connect(settings: Settings) -> ArqRedis:
                 arq_redis_settings(settings.redis_url),
                 job_serializer=serialize_job,
                 job_deserializer=deserialize_job,
-                default_queue_name=Keys(settings.key_prefix).queue,
+                default_queue_name=Keys(settings.key_prefix).queue(settings.model_id),
             )
         except (RedisError, OSError) as exc:
             logger.warning("Redis at %s unavailable (%s); retrying", _safe_url(settings), exc)
@@ -308,6 +327,9 @@ def build_parser() -> argparse.ArgumentParser:
         "back. Settings come from LLM_* environment variables and .env.",
     )
     parser.add_argument("--model", help="overrides LLM_MODEL_NAME")
+    parser.add_argument(
+        "--served-model-name", help="the name clients use (overrides LLM_SERVED_MODEL_NAME)"
+    )
     parser.add_argument("--redis-url", help="overrides LLM_REDIS_URL")
     parser.add_argument("--worker-id", help="overrides LLM_WORKER_ID")
     parser.add_argument("--metrics-port", type=int, help="overrides LLM_WORKER_METRICS_PORT")
@@ -318,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     settings = settings_with(
         model_name=args.model,
+        served_model_name=args.served_model_name,
         redis_url=args.redis_url,
         worker_id=args.worker_id,
         worker_metrics_port=args.metrics_port,

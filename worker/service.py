@@ -15,6 +15,7 @@ from shared.contracts import (
     ErrorEvent,
     JobPayload,
     JobRecord,
+    Lane,
     RestartEvent,
     StartedEvent,
     cancelled_event,
@@ -77,13 +78,26 @@ class WorkerService:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await asyncio.to_thread(self.engine_thread.stop)
 
-    def admission_capacity(self, num_starting: int = 0) -> int:
-        """How many more jobs to take from the queue now: only what can start soon.
+    def admission_capacity(self, num_starting: int = 0, lane: Lane = "interactive") -> int:
+        """How many more jobs of `lane` to take from its queue now: only what can start soon.
 
         `num_starting` counts jobs arq has started that have not reached `run_job` yet.
+        Batch lines only fill spare capacity: none while anything waits for the engine, and
+        never the last `batch_reserved_seqs` sequence slots (kept for interactive requests).
         """
         if self.draining:
             return 0
+        if lane == "batch":
+            return min(self._interactive_room(num_starting), self._batch_room(num_starting))
+        return self._interactive_room(num_starting)
+
+    def _batch_room(self, num_starting: int) -> int:
+        if self.engine.stats().num_waiting:
+            return 0
+        limit = self.settings.max_batch_size - self.settings.batch_reserved_seqs
+        return max(0, limit - len(self.jobs) - self.num_pending - num_starting)
+
+    def _interactive_room(self, num_starting: int) -> int:
         stats = self.engine.stats()
         num_not_in_engine = self.num_pending + num_starting
         waiting = stats.num_waiting + num_not_in_engine
@@ -198,6 +212,7 @@ class WorkerService:
             params,
             payload.priority,
             param_name=payload.prompt_param,
+            lane=payload.lane,
         )
 
     async def _finish(self, record: JobRecord, status: str, event: object) -> None:

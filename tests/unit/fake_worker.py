@@ -21,6 +21,7 @@ from shared.contracts import (
     JobPayload,
     JobRecord,
     JobResult,
+    ModelInfo,
     StartedEvent,
     TokenLogprob,
     TopLogprob,
@@ -117,6 +118,7 @@ class FakeWorker:
         self.script = script
         self.step_s = step_s
         self.payloads: list[JobPayload] = []
+        self.model = "test-model"
         self._task: asyncio.Task | None = None
 
     async def register(self, model: str = "test-model", max_model_len: int = 64) -> None:
@@ -132,7 +134,9 @@ class FakeWorker:
             kv_blocks_used=3,
             kv_blocks_total=10,
         )
+        self.model = model
         await self.redis.set(self.keys.worker("fake-1"), record.model_dump_json(), ex=30)
+        await self.redis.hset(self.keys.models, model, ModelInfo.of(record).model_dump_json())
         await self.redis.zadd(self.keys.workers, {"fake-1": time.time()})
 
     def start(self) -> None:
@@ -145,7 +149,8 @@ class FakeWorker:
 
     async def _loop(self) -> None:
         while True:
-            popped = await self.redis.zpopmin(self.keys.queue)
+            popped = await self.redis.zpopmin(self.keys.queue(self.model))
+            popped = popped or await self.redis.zpopmin(self.keys.queue(self.model, "batch"))
             if not popped:
                 await asyncio.sleep(0.005)
                 continue

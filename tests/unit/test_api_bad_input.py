@@ -266,7 +266,7 @@ async def test_bad_input_is_4xx_with_openai_error(case: Case) -> None:
             case.param,
             case.code,
         ), error
-        assert await h.redis.zcard(h.keys.queue) == 0  # nothing was enqueued
+        assert await h.redis.zcard(h.keys.queue("test-model")) == 0  # nothing was enqueued
 
 
 async def test_body_over_the_size_limit_is_413() -> None:
@@ -288,7 +288,7 @@ async def test_body_over_the_size_limit_is_413() -> None:
         assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
         r = await h.client.post(CMPL, content=b"{}", headers={"Content-Length": "abc"})
         assert r.status_code == 413
-        assert await h.redis.zcard(h.keys.queue) == 0
+        assert await h.redis.zcard(h.keys.queue("test-model")) == 0
 
 
 async def test_malformed_last_event_id_on_a_real_job() -> None:

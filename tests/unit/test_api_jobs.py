@@ -81,12 +81,12 @@ async def test_events_live_while_running() -> None:
 async def test_cancel_queued_job() -> None:
     async with harness(start_worker=False) as h:
         job_id = (await h.client.post("/v1/jobs", json=CHAT)).json()["id"]
-        assert await h.redis.zscore(h.keys.queue, job_id) is not None
+        assert await h.redis.zscore(h.keys.queue("test-model"), job_id) is not None
         r = await h.client.delete(f"/v1/jobs/{job_id}")
         assert r.status_code == 200
         body = r.json()
         assert body["status"] == "cancelled" and body["error"]["code"] == "job_cancelled"
-        assert await h.redis.zscore(h.keys.queue, job_id) is None
+        assert await h.redis.zscore(h.keys.queue("test-model"), job_id) is None
         events = await h.client.get(f"/v1/jobs/{job_id}/events")
         assert [t for _, t in _events(events.text)] == ["error"]
         again = await h.client.delete(f"/v1/jobs/{job_id}")

@@ -89,7 +89,7 @@ async def test_one_key_cannot_read_or_cancel_another_keys_job() -> None:
             }
         own = await h.client.get(f"/v1/jobs/{job_id}", headers=A)
         assert own.status_code == 200 and own.json()["status"] == "queued"  # B cancelled nothing
-        assert await h.redis.zscore(h.keys.queue, job_id) is not None
+        assert await h.redis.zscore(h.keys.queue("test-model"), job_id) is not None
         assert not await h.redis.exists(h.keys.cancelled(job_id))
 
 
@@ -106,7 +106,8 @@ async def test_per_key_limit_on_unfinished_jobs() -> None:
         assert (await h.client.post("/v1/jobs", json=JOB, headers=B)).status_code == 202
         assert (await h.client.delete(f"/v1/jobs/{ids[0]}", headers=A)).status_code == 200
         assert (await h.client.post("/v1/jobs", json=JOB, headers=A)).status_code == 202
-        assert await h.redis.zcard(h.keys.queue) == 3  # the refused job was never queued
+        # the refused job was never queued
+        assert await h.redis.zcard(h.keys.queue("test-model")) == 3
 
 
 @pytest.mark.redis

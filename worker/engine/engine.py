@@ -35,6 +35,7 @@ class PreparedRequest:
     params: SamplingParams
     max_tokens: int
     priority: int = 0
+    lane: str = "interactive"
 
 
 @dataclass
@@ -140,6 +141,7 @@ class LLMEngine:
         params: SamplingParams,
         priority: int = 0,
         param_name: str = "prompt",
+        lane: str = "interactive",
     ) -> PreparedRequest:
         """Validate lengths and token ids; resolve the default max_tokens."""
         num_prompt = len(prompt_token_ids)
@@ -157,7 +159,9 @@ class LLMEngine:
         max_tokens = check_context_length(
             num_prompt, params.max_tokens, self.max_model_len, param_name
         )
-        return PreparedRequest(request_id, list(prompt_token_ids), params, max_tokens, priority)
+        return PreparedRequest(
+            request_id, list(prompt_token_ids), params, max_tokens, priority, lane
+        )
 
     def add_request(self, prepared: PreparedRequest) -> None:
         """Queue a prepared request; `n > 1` becomes n sequences sharing the prompt."""
@@ -175,6 +179,7 @@ class LLMEngine:
                 max_tokens=prepared.max_tokens,
                 eos_token_ids=self.eos_token_ids,
                 priority=prepared.priority,
+                lane=prepared.lane,
             )
             self.scheduler.add_request(request)
             detok = IncrementalDetokenizer(self.tokenizer, prepared.prompt_token_ids, child_params)

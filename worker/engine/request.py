@@ -44,6 +44,8 @@ class Request:
     max_tokens: int
     eos_token_ids: frozenset[int] = frozenset()
     priority: int = 0
+    # Batch lines ("batch") run after interactive requests and are preempted first.
+    lane: str = "interactive"
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

@@ -2,9 +2,10 @@
 
 One rule: each step a request is given `min(num_tokens - num_computed_tokens, budget)`
 tokens. That covers chunked prefill, prefix-cache hits, decode and recompute after
-preemption. Running requests go first, in (priority, arrival) order; when blocks run out
-the worst running request is preempted by recompute. Waiting requests are then admitted
-in strict (priority, arrival) order while the token budget and `max_num_seqs` allow.
+preemption. Running requests go first, in (lane, priority, arrival) order, interactive
+requests before batch lines; when blocks run out the worst running request (a batch line
+while any runs) is preempted by recompute. Waiting requests are then admitted in strict
+(lane, priority, arrival) order while the token budget and `max_num_seqs` allow.
 """
 
 from __future__ import annotations
@@ -258,8 +259,11 @@ class Scheduler:
 
     # ---- helpers -------------------------------------------------------------------------
 
-    def _order_key(self, request: Request) -> tuple[int, float, int]:
-        return (request.priority, request.arrival_time, self._seq[request.request_id])
+    def _order_key(self, request: Request) -> tuple[bool, int, float, int]:
+        """Interactive before batch lines, then priority, then arrival: the running list's
+        tail, where preemption takes its victims, holds batch lines while there are any."""
+        is_batch = request.lane == "batch"
+        return (is_batch, request.priority, request.arrival_time, self._seq[request.request_id])
 
     @staticmethod
     def _remove(queue: list[Request], request: Request) -> None:

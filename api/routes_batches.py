@@ -1,0 +1,99 @@
+"""`/v1/batches`: create, retrieve, list, cancel; the work itself is queued (batch_runner)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter, Depends, Query, Request
+
+from api.auth import require_api_key
+from api.batch_runner import ControlQueue
+from api.completions import parse_body
+from api.errors import APIError
+from api.files import list_object
+from api.protocol import BatchCreateRequest, openapi_body
+from api.routes_files import owner_of
+from api.services import Services, get_services
+from shared.batches import COMPLETION_WINDOWS, BatchRecord, new_batch_id
+
+router = APIRouter()
+
+
+@router.post("/v1/batches", openapi_extra=openapi_body(BatchCreateRequest))
+async def create_batch(
+    request: Request,
+    api_key_id: str | None = Depends(require_api_key),
+    services: Services = Depends(get_services),
+) -> dict[str, Any]:
+    body = await parse_body(request, BatchCreateRequest)
+    owner = owner_of(api_key_id)
+    input_file = await services.files.get(body.input_file_id, owner)
+    if input_file.purpose != "batch":
+        raise APIError(400, 'The input file\'s purpose must be "batch"', param="input_file_id")
+    now = int(time.time())
+    record = BatchRecord(
+        id=new_batch_id(),
+        endpoint=body.endpoint,
+        input_file_id=body.input_file_id,
+        completion_window=body.completion_window,
+        created_at=now,
+        expires_at=now + COMPLETION_WINDOWS[body.completion_window],
+        metadata=body.metadata,
+        owner=owner,
+    )
+    await services.batches.create(record)
+    await ControlQueue(services).expand(record.id, 0)
+    return record.public()
+
+
+@router.get("/v1/batches/{batch_id}")
+async def get_batch(
+    batch_id: str,
+    api_key_id: str | None = Depends(require_api_key),
+    services: Services = Depends(get_services),
+) -> dict[str, Any]:
+    record = await services.batches.get_owned(batch_id, owner_of(api_key_id))
+    await ControlQueue(services).ensure(record)
+    return record.public()
+
+
+@router.get("/v1/batches")
+async def list_batches(
+    after: str | None = None,
+    limit: int = Query(20, ge=1, le=100),
+    api_key_id: str | None = Depends(require_api_key),
+    services: Services = Depends(get_services),
+) -> dict[str, Any]:
+    records, has_more = await services.batches.list(owner_of(api_key_id), after, limit)
+    return list_object([r.public() for r in records], has_more)
+
+
+@router.post("/v1/batches/{batch_id}/cancel")
+async def cancel_batch(
+    batch_id: str,
+    api_key_id: str | None = Depends(require_api_key),
+    services: Services = Depends(get_services),
+) -> dict[str, Any]:
+    """validating/in_progress -> cancelling: queued lines stop, finished ones are kept; the
+    batch ends `cancelled` once the lines running now finish."""
+    await services.batches.get_owned(batch_id, owner_of(api_key_id))
+
+    def start_cancel(record: BatchRecord) -> bool:
+        if record.status not in ("validating", "in_progress"):
+            return False
+        record.status, record.cancelling_at = "cancelling", int(time.time())
+        return True
+
+    record = await services.batches.update(batch_id, start_cancel)
+    if record is None:
+        raise APIError(404, f"No such Batch object: {batch_id}", code="batch_not_found")
+    if record.status not in ("cancelling", "cancelled"):
+        raise APIError(
+            409,
+            f"A batch with status {record.status} cannot be cancelled",
+            param="batch_id",
+            code="batch_not_cancellable",
+        )
+    await ControlQueue(services).collect(record.id, record.collect_seq, soon=True)
+    return record.public()
