@@ -22,8 +22,10 @@ from api.batches import BatchStore
 from api.errors import install_error_handlers
 from api.files import FileStore
 from api.jobs import JobStore
+from api.keyring import KeyRingHolder
 from api.middleware import BodyLimitMiddleware, RequestContextMiddleware
 from api.prompting import TokenizerHolder
+from api.ratelimit import RATE_LIMIT_HEADERS, RateLimiter
 from api.relay import Relay
 from api.services import Services
 from api.workers import WorkerDirectory
@@ -62,17 +64,20 @@ def build_services(
     keys = Keys(settings.key_prefix)
     redis = redis if redis is not None else make_redis(settings, keys)
     workers = WorkerDirectory(redis, keys, settings.worker_ttl_s)
+    limiter = RateLimiter(redis, keys)
     return Services(
         settings=settings,
         keys=keys,
         redis=redis,
         relay=Relay(redis, keys, verify_delay_s=max(2.0, 5 * settings.heartbeat_interval_s)),
-        jobs=JobStore(redis, keys, settings),
+        jobs=JobStore(redis, keys, settings, limiter),
         workers=workers,
         tokenizer=TokenizerHolder(settings, tokenizer_loader, workers.source),
         metrics=ApiMetrics(),
         files=FileStore(redis, keys, settings.file_ttl_s),
         batches=BatchStore(redis, keys),
+        keyring=KeyRingHolder(settings),
+        limiter=limiter,
     )
 
 
@@ -127,7 +132,7 @@ def create_app(
             allow_origins=settings.cors_origins,
             allow_methods=["*"],
             allow_headers=["*"],
-            expose_headers=["X-Request-Id", "X-Job-Id"],
+            expose_headers=["X-Request-Id", "X-Job-Id", *RATE_LIMIT_HEADERS],
         )
     app.add_middleware(RequestContextMiddleware, metrics=services.metrics)
     return app

@@ -1,18 +1,14 @@
-"""Bearer API keys: constant-time comparison, and a short hash id that is safe to log."""
+"""Bearer API keys (`api/keyring.py` holds them): who is calling, and their rate-limit quota."""
 
 from __future__ import annotations
-
-import hashlib
-import hmac
 
 from fastapi import Request
 
 from api.errors import APIError
+from api.keyring import api_key_id
+from api.ratelimit import Quota
 
-
-def api_key_id(key: str) -> str:
-    """A short, stable, non-reversible id for a key (logs, job ownership, per-key limits)."""
-    return hashlib.sha256(key.encode()).hexdigest()[:16]
+__all__ = ["api_key_id", "require_api_key"]
 
 
 def _bearer(request: Request) -> str | None:
@@ -23,26 +19,29 @@ def _bearer(request: Request) -> str | None:
     return token.strip()
 
 
-def _matches(candidate: str, keys: list[str]) -> bool:
-    found = False
-    for key in keys:  # no early exit: the time taken does not depend on which key matched
-        found |= hmac.compare_digest(candidate.encode(), key.encode())
-    return found
-
-
 async def require_api_key(request: Request) -> str | None:
-    """FastAPI dependency: the caller's key id, or None when no keys are configured."""
-    keys: list[str] = request.app.state.services.settings.api_keys
-    if not keys:
-        return None
-    token = _bearer(request)
-    if token is None or not _matches(token, keys):
-        raise APIError(
-            401,
-            "Missing or invalid API key; send 'Authorization: Bearer <key>'",
-            code="invalid_api_key",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
-    key_id = api_key_id(token)
-    request.state.api_key_id = key_id
-    return key_id
+    """FastAPI dependency: the caller's key id, or None when no keys are configured.
+
+    Also leaves the caller's `Quota` on `request.state.quota`, with the `x-ratelimit-*`
+    headers the response will carry (the middleware adds them)."""
+    if getattr(request.state, "quota", None) is not None:  # a route may depend on it twice
+        return request.state.quota.policy.key_id
+    services = request.app.state.services
+    ring = services.keyring.current()
+    if ring.is_open:
+        policy = ring.anonymous
+    else:
+        token = _bearer(request)
+        found = ring.find(token) if token is not None else None
+        if found is None:
+            raise APIError(
+                401,
+                "Missing or invalid API key; send 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        policy = found
+        request.state.api_key_id = policy.key_id
+    request.state.quota = Quota(policy)
+    await services.limiter.peek(request.state.quota)
+    return policy.key_id

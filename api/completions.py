@@ -124,7 +124,7 @@ async def complete(
     sub = services.relay.subscribe(payload.id)
     handed_over = False
     try:
-        await services.jobs.submit(payload, url)
+        await services.jobs.submit(payload, url, getattr(request.state, "quota", None))
         first = await _race(request, _first_content(sub, settings.first_event_timeout_s), deadline)
         if isinstance(first[-1], ErrorEvent):
             raise _job_error(first[-1], payload.id)

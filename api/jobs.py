@@ -14,6 +14,7 @@ from arq.connections import ArqRedis
 from arq.constants import job_key_prefix
 
 from api.errors import APIError
+from api.ratelimit import Quota, RateLimiter
 from shared.config import Settings
 from shared.contracts import (
     FINAL_STATUSES,
@@ -21,18 +22,21 @@ from shared.contracts import (
     JobPayload,
     JobRecord,
     Lane,
+    TokenReservation,
     cancelled_event,
     encode_event,
 )
 from shared.keys import Keys
 from shared.queue import RUN_COMPLETION
+from shared.ratelimit import settle_lua
 
 log = logging.getLogger(__name__)
 
 # Marks a job cancelled only while its record still says queued: a worker that took it in
 # the meantime owns it from then on. Records are pydantic JSON (no spaces), so the status test
 # is a plain substring match (quotes inside strings are escaped and cannot match).
-_CANCEL_QUEUED = """
+_CANCEL_QUEUED = (
+    """
 local current = redis.call('GET', KEYS[1])
 if not current or not string.find(current, '"status":"queued"', 1, true) then return 0 end
 redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[3])
@@ -43,8 +47,11 @@ redis.call('ZREM', KEYS[4], ARGV[5])
 redis.call('DEL', KEYS[5])
 redis.call('EXPIRE', KEYS[6], ARGV[3])
 redis.call('EXPIRE', KEYS[7], ARGV[3])
-return 1
 """
+    + settle_lua(8, 6)
+    + """return 1
+"""
+)
 
 
 def new_job_id() -> str:
@@ -55,28 +62,29 @@ def new_job_id() -> str:
 class JobStore:
     """Submit, read and cancel jobs."""
 
-    def __init__(self, redis: ArqRedis, keys: Keys, settings: Settings) -> None:
+    def __init__(
+        self, redis: ArqRedis, keys: Keys, settings: Settings, limiter: RateLimiter
+    ) -> None:
         self.redis = redis
         self.keys = keys
         self.settings = settings
+        self.limiter = limiter
         self._cancel_queued = redis.register_script(_CANCEL_QUEUED)
         self._background: set[asyncio.Task] = set()
 
     async def queue_depth(self, model: str, lane: Lane = "interactive") -> int:
         return int(await self.redis.zcard(self.keys.queue(model, lane)))
 
-    async def submit(self, payload: JobPayload, url: str) -> JobRecord:
-        """Admit and enqueue; 429 (with Retry-After) when the queue or the key is full."""
-        if await self.queue_depth(payload.model) >= self.settings.max_queue_depth:
-            raise APIError(
-                429,
-                "The queue is full; retry later",
-                code="queue_full",
-                headers={"Retry-After": "2"},
-            )
-        if payload.api_key_id:
-            await self._admit_key(payload.api_key_id, payload.id)
-        record, is_new = await self._enqueue(payload, url, only_new=False)
+    async def submit(self, payload: JobPayload, url: str, quota: Quota | None = None) -> JobRecord:
+        """Admit and enqueue; 429 (with Retry-After) when the key's rate limit, the queue or
+        the key's unfinished jobs are full. Admitted tokens are given back by the final write."""
+        reservation = await self.limiter.reserve(quota, payload) if quota else None
+        try:
+            await self._admit(payload)
+        except APIError:
+            await self.limiter.refund(reservation)
+            raise
+        record, is_new = await self._enqueue(payload, url, only_new=False, reservation=reservation)
         if not is_new:
             raise APIError(500, "Job id collision", error_type="server_error")
         await self.redis.publish(self.keys.wake_channel, payload.id)
@@ -88,7 +96,11 @@ class JobStore:
         await self._enqueue(payload, url, only_new=True)
 
     async def _enqueue(
-        self, payload: JobPayload, url: str, only_new: bool
+        self,
+        payload: JobPayload,
+        url: str,
+        only_new: bool,
+        reservation: TokenReservation | None = None,
     ) -> tuple[JobRecord, bool]:
         """Write record and payload (with `only_new`, only where absent), then enqueue into
         the model's queue for the job's lane; whether arq took it as a new job."""
@@ -100,6 +112,7 @@ class JobStore:
             api_key_id=payload.api_key_id,
             request_id=payload.request_id,
             created_at=payload.created,
+            reservation=reservation,
         )
         ttl = QUEUED_GRACE_S + self.settings.job_ttl_s
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -122,6 +135,17 @@ class JobStore:
         record = await self.get(job_id)
         if record is not None and record.status == "queued":
             await self._try_cancel_queued(record)
+
+    async def _admit(self, payload: JobPayload) -> None:
+        if await self.queue_depth(payload.model) >= self.settings.max_queue_depth:
+            raise APIError(
+                429,
+                "The queue is full; retry later",
+                code="queue_full",
+                headers={"Retry-After": "2"},
+            )
+        if payload.api_key_id:
+            await self._admit_key(payload.api_key_id, payload.id)
 
     async def _admit_key(self, key_id: str, job_id: str) -> None:
         key = self.keys.key_jobs(key_id)
@@ -171,6 +195,7 @@ class JobStore:
     async def _try_cancel_queued(self, record: JobRecord) -> bool:
         event = cancelled_event()
         record.status, record.error, record.finished_at = "cancelled", event, time.time()
+        reserved = record.reservation
         key_jobs = self.keys.key_jobs(record.api_key_id) if record.api_key_id else ""
         done = await self._cancel_queued(
             keys=[
@@ -181,6 +206,7 @@ class JobStore:
                 job_key_prefix + record.id,
                 self.keys.payload(record.id),
                 self.keys.cancelled(record.id),
+                self.keys.rate_tokens(reserved.bucket) if reserved else "",
             ],
             args=[
                 record.model_dump_json(),
@@ -188,6 +214,8 @@ class JobStore:
                 self.settings.job_ttl_s,
                 self.settings.stream_maxlen,
                 record.id,
+                reserved.second if reserved else 0,
+                reserved.tokens if reserved else 0,  # it never ran: all of it back
             ],
         )
         return bool(done)

@@ -36,6 +36,19 @@ def _header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
+def _quota_headers(scope: Scope, present: list) -> list[tuple[bytes, bytes]]:
+    """The caller's `x-ratelimit-*` headers (`api/auth.py`), unless the response has them."""
+    quota = scope.get("state", {}).get("quota")
+    if quota is None:
+        return []
+    names = {name.lower() for name, _ in present}
+    return [
+        (name.encode(), value.encode())
+        for name, value in quota.headers.items()
+        if name.encode() not in names
+    ]
+
+
 class RequestContextMiddleware:
     """X-Request-Id in and out, log context, request metrics, JSON 500 for real bugs."""
 
@@ -58,6 +71,7 @@ class RequestContextMiddleware:
                 message["headers"] = [
                     *message.get("headers", []),
                     (b"x-request-id", request_id.encode()),
+                    *_quota_headers(scope, message.get("headers", [])),
                 ]
             await send(message)
 

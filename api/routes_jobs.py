@@ -67,7 +67,7 @@ async def create_job(
     body = parse_dict({**envelope.body, "stream": False}, model)  # jobs are polled
     payload = await prepare_job(services, body, api_key_id=api_key_id, deadline_s=None)
     job_id_var.set(payload.id)
-    record = await services.jobs.submit(payload, envelope.url)
+    record = await services.jobs.submit(payload, envelope.url, request.state.quota)
     return JSONResponse(await job_object(services, record), status_code=202)
 
 

@@ -10,7 +10,9 @@ from fastapi import Request
 from api.batches import BatchStore
 from api.files import FileStore
 from api.jobs import JobStore
+from api.keyring import KeyRingHolder
 from api.prompting import TokenizerHolder
+from api.ratelimit import RateLimiter
 from api.relay import Relay
 from api.workers import WorkerDirectory
 from shared.config import Settings
@@ -30,6 +32,8 @@ class Services:
     metrics: ApiMetrics
     files: FileStore
     batches: BatchStore
+    keyring: KeyRingHolder
+    limiter: RateLimiter
 
 
 def get_services(request: Request) -> Services:

@@ -87,6 +87,15 @@ class Settings(BaseSettings):
     max_n: int = Field(8, ge=1)
     max_logit_bias: int = Field(300, ge=0)
     per_key_max_concurrent_jobs: int = Field(256, ge=1)
+    api_keys_file: str | None = Field(
+        None, description="TOML file of API keys and their limits; re-read when it changes"
+    )
+    rate_limit_requests_per_minute: int = Field(
+        0, ge=0, description="default requests per minute per key; 0: no limit"
+    )
+    rate_limit_tokens_per_minute: int = Field(
+        0, ge=0, description="default prompt + max_tokens per minute per key; 0: no limit"
+    )
     request_timeout_s: float = Field(600.0, gt=0)
     first_event_timeout_s: float = Field(60.0, gt=0)
     job_ttl_s: int = Field(3600, ge=1, description="how long finished jobs and streams stay")

@@ -307,6 +307,15 @@ class JobResult(BaseModel):
     timings: Timings = Field(default_factory=Timings)
 
 
+class TokenReservation(BaseModel):
+    """Tokens a job reserved against its key's tokens-per-minute (`shared/ratelimit.py`);
+    whoever writes the job's final record gives back what it did not use."""
+
+    bucket: str
+    tokens: int
+    second: int
+
+
 class JobRecord(_Wire):
     """The job's state as `GET /v1/jobs/{id}` reads it (stored as JSON under the job key)."""
 
@@ -324,3 +333,4 @@ class JobRecord(_Wire):
     finished_at: float | None = None
     result: JobResult | None = None
     error: ErrorEvent | None = None
+    reservation: TokenReservation | None = None

@@ -99,3 +99,11 @@ class Keys:
     def key_jobs(self, api_key_id: str) -> str:
         """Set of a key's unfinished job ids (per-key concurrency limit)."""
         return f"{self.prefix}:keyjobs:{api_key_id}"
+
+    def rate_requests(self, bucket: str) -> str:
+        """Hash: Unix second -> requests admitted then (per-key requests per minute)."""
+        return f"{self.prefix}:ratelimit:{bucket}:requests"
+
+    def rate_tokens(self, bucket: str) -> str:
+        """Hash: Unix second -> tokens reserved then (per-key tokens per minute)."""
+        return f"{self.prefix}:ratelimit:{bucket}:tokens"

@@ -221,7 +221,8 @@ class WorkerService:
             record.error = event
         job = self.jobs.get(record.id)
         payload_json = job.payload.model_dump_json() if job is not None else ""
-        await self.store.finish(record, event, payload_json)
+        used = job.usage().total_tokens if job is not None else 0  # never ran: nothing used
+        await self.store.finish(record, event, payload_json, used)
 
     async def fail(self, job_id: str, error: ErrorEvent) -> None:
         """End a job as failed with a reason, unless it already ended."""

@@ -14,6 +14,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared.contracts import FINAL_STATUSES, QUEUED_GRACE_S, JobRecord, encode_event
 from shared.keys import Keys
+from shared.ratelimit import settle_lua
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -44,7 +45,8 @@ async def with_retry(
 
 # Sets the record and appends the last event only while the stored record is not final.
 # Records are pydantic JSON (no spaces), so the status test is a plain substring match.
-_FINISH_SCRIPT = """
+_FINISH_SCRIPT = (
+    """
 local current = redis.call('GET', KEYS[1])
 if current then
   for _, status in ipairs({'completed', 'failed', 'cancelled'}) do
@@ -60,8 +62,11 @@ if KEYS[3] ~= '' then redis.call('SREM', KEYS[3], ARGV[5]) end
 if ARGV[6] ~= '' then redis.call('SET', KEYS[4], ARGV[6], 'NX') end
 redis.call('EXPIRE', KEYS[4], ARGV[3])
 redis.call('EXPIRE', KEYS[5], ARGV[3])
-return 1
 """
+    + settle_lua(6, 7)
+    + """return 1
+"""
+)
 
 
 class JobStore:
@@ -134,22 +139,30 @@ class JobStore:
         await with_retry(write, "appending an event", self.deadline_s)
 
     async def finish(
-        self, record: JobRecord, last_event: object | None, payload_json: str = ""
+        self,
+        record: JobRecord,
+        last_event: object | None,
+        payload_json: str = "",
+        used_tokens: int = 0,
     ) -> bool:
         """Write the final record (+ last event) unless the job is already final.
 
         `payload_json` goes back too where Redis lost it (a restart without persistence while
-        the job ran): the job API builds its response from it. SET NX overwrites nothing."""
+        the job ran): the job API builds its response from it. SET NX overwrites nothing.
+        The same write gives the key's rate limit back what the job reserved beyond
+        `used_tokens`, so that happens exactly once."""
         assert record.status in FINAL_STATUSES
         record.finished_at = time.time()
         key_jobs = self.keys.key_jobs(record.api_key_id) if record.api_key_id else ""
+        reserved = record.reservation
         keys = [
             self.keys.job(record.id),
             self.keys.stream(record.id),
             key_jobs,
             self.keys.payload(record.id),
-            self.keys.cancelled(record.id),
-        ]  # expire with it
+            self.keys.cancelled(record.id),  # expire with it
+            self.keys.rate_tokens(reserved.bucket) if reserved else "",
+        ]
         args = [
             record.model_dump_json(),
             encode_event(last_event) if last_event else "",
@@ -157,6 +170,8 @@ class JobStore:
             self.stream_maxlen,
             record.id,
             payload_json,
+            reserved.second if reserved else 0,
+            max(reserved.tokens - used_tokens, 0) if reserved else 0,
         ]
         done = await with_retry(
             lambda: self._finish(keys=keys, args=args), "writing a final record", self.deadline_s

@@ -48,13 +48,23 @@ class Service:
     redis_url: str = TEST_REDIS_URL
     api: subprocess.Popen | None = None
     workers: list[subprocess.Popen | None] = field(default_factory=list)
+    extra_apis: list[subprocess.Popen] = field(default_factory=list)
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def client(self, **kwargs: object) -> httpx.Client:
-        return httpx.Client(base_url=self.base_url, timeout=60, **kwargs)
+        """A client of the API; with LLM_API_KEYS set, authenticated with the first key."""
+        keys = [k for k in self.env.get("LLM_API_KEYS", "").split(",") if k]
+        headers = {"Authorization": f"Bearer {keys[0]}"} if keys else {}
+        return httpx.Client(base_url=self.base_url, timeout=60, headers=headers, **kwargs)
+
+    def start_extra_api(self) -> str:
+        """Another API process on the same Redis and prefix; its base URL."""
+        port = spare_port()
+        self.extra_apis.append(self._spawn("api", f"api-{port}", {"LLM_PORT": str(port)}))
+        return f"http://127.0.0.1:{port}"
 
     def _spawn(self, module: str, name: str, extra: dict[str, str]) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 (owned by the process)
@@ -126,10 +136,11 @@ class Service:
                 )
 
     def stop(self) -> None:
-        for proc in [*self.workers, self.api]:
+        procs = [*self.workers, self.api, *self.extra_apis]
+        for proc in procs:
             if proc is not None and proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-        for proc in [*self.workers, self.api]:
+        for proc in procs:
             if proc is None:
                 continue
             try:
