@@ -43,6 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
     )
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument(
+        "--quantization",
+        default="none",
+        choices=["none", "int8", "int4"],
+        help="weight-only quantized projections (CPU)",
+    )
     parser.add_argument("--kv-cache-size-mb", type=int, default=EngineConfig.kv_cache_size_mb)
     return parser
 
@@ -57,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
             model=args.model,
             dtype=args.dtype,
             device=args.device,
+            quantization=args.quantization,
             kv_cache_size_mb=args.kv_cache_size_mb,
         )
     )

@@ -11,6 +11,7 @@ from shared.config import Settings
 class EngineConfig:
     model: str = "SmolLM2-135M-Instruct"
     dtype: str = "auto"
+    quantization: str = "none"
     device: str = "auto"
     block_size: int = 16
     kv_cache_size_mb: int = 512
@@ -29,6 +30,7 @@ class EngineConfig:
         return cls(
             model=settings.model_name,
             dtype=settings.dtype,
+            quantization=settings.quantization,
             device=settings.device,
             block_size=settings.block_size,
             kv_cache_size_mb=settings.kv_cache_size_mb,

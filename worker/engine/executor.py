@@ -126,7 +126,11 @@ def build_executor(config: EngineConfig) -> TorchExecutor:
     configure_threads(config.num_threads)
     started = time.perf_counter()
     loaded = load_model(
-        config.model, dtype=config.dtype, device=config.device, cache_dir=config.cache_dir
+        config.model,
+        dtype=config.dtype,
+        device=config.device,
+        cache_dir=config.cache_dir,
+        quantization=config.quantization,
     )
     logger.info("model %s loaded in %.2f s", config.model, time.perf_counter() - started)
     return TorchExecutor(config, loaded)

@@ -14,6 +14,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -66,22 +67,33 @@ def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return rows.swapaxes(1, 2).reshape(weight.shape)
 
 
-def gguf_tensors(path: Path, config: dict) -> Iterator[tuple[str, np.ndarray]]:
-    """(HF name, float32 array) for every tensor in the file, permutation undone."""
+def gguf_entries(path: Path, config: dict) -> Iterator[tuple[str, Any, int | None]]:
+    """(HF name, GGUF tensor, heads whose Q/K row interleaving to undo or None) per tensor."""
     from gguf import GGUFReader
+
+    arch = config["model_type"]
+    for tensor in GGUFReader(str(path)).tensors:
+        heads = None
+        if arch in PERMUTED_ARCHS and ".attn_q." in tensor.name:
+            heads = config["num_attention_heads"]
+        elif arch in PERMUTED_ARCHS and ".attn_k." in tensor.name:
+            heads = config["num_key_value_heads"]
+        yield hf_name(tensor.name), tensor, heads
+
+
+def dequantized(tensor: Any) -> np.ndarray:
+    """A GGUF tensor as float32, in HF's row-major shape ([out, in] for a weight)."""
     from gguf.quants import dequantize
 
-    reader = GGUFReader(str(path))
-    arch = config["model_type"]
-    for tensor in reader.tensors:
-        array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
-        array = array.reshape(tuple(reversed([int(n) for n in tensor.shape])))
-        name = hf_name(tensor.name)
-        if arch in PERMUTED_ARCHS and ".attn_q." in tensor.name:
-            array = unpermute_qk(array, config["num_attention_heads"])
-        elif arch in PERMUTED_ARCHS and ".attn_k." in tensor.name:
-            array = unpermute_qk(array, config["num_key_value_heads"])
-        yield name, array
+    array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+    return array.reshape(tuple(reversed([int(n) for n in tensor.shape])))
+
+
+def gguf_tensors(path: Path, config: dict) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF name, float32 array) for every tensor in the file, permutation undone."""
+    for name, tensor, heads in gguf_entries(path, config):
+        array = dequantized(tensor)
+        yield name, array if heads is None else unpermute_qk(array, heads)
 
 
 def _write_config(gguf_path: Path, out: Path) -> dict:

@@ -17,6 +17,7 @@ from worker.layers.activation import SiluAndMul
 from worker.layers.attention import PagedAttention
 from worker.layers.linear import Linear, PackedLinear
 from worker.layers.norm import RMSNorm
+from worker.layers.quant import QuantizedTensor
 from worker.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 
 # checkpoint name fragment -> (fused module name fragment, shard index)
@@ -162,8 +163,14 @@ class LlamaForCausalLM(nn.Module):
         """Build what is derived from config rather than loaded (rotary cache)."""
         self.model.rotary_emb.build_cache()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy checkpoint tensors (HF names) into parameters; returns the names loaded."""
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]]
+    ) -> set[str]:
+        """Copy checkpoint tensors (HF names) into parameters; returns the names loaded.
+
+        A `QuantizedTensor` (a linear's weight from a quantized GGUF) is handed to its layer,
+        which packs it at `quantize_linears`.
+        """
         if self.tie_word_embeddings:  # moving off the meta device unties parameters
             self.lm_head.weight = self.model.embed_tokens.weight
         params = dict(self.named_parameters())
@@ -182,7 +189,10 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name not in params:
                 raise ValueError(f"unexpected weight {name!r} in checkpoint")
-            params[name].data.copy_(tensor)
+            if isinstance(tensor, QuantizedTensor):
+                self.get_submodule(name.rsplit(".", 1)[0]).load_quantized(0, tensor)
+            else:
+                params[name].data.copy_(tensor)
             loaded.add(name)
         self._check_complete(params, loaded)
         return loaded

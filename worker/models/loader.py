@@ -1,6 +1,8 @@
 """Load a model by reference: the default name, a local HF directory, or a .gguf file.
 
 A GGUF is converted once into an HF directory under the cache; later starts read that.
+With quantization on, a GGUF's weights are read from the file itself instead, so that its
+Q4_0/Q4_1 blocks reach the int4 layers as they are (`gguf_quant.py`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ from safetensors import safe_open
 from torch import nn
 
 from shared.model_files import converted_dir, resolve_model
+from worker.layers.linear import quantize_linears
+from worker.layers.quant import QuantizedTensor, check_quantization
 from worker.models.gguf_convert import convert_gguf
+from worker.models.gguf_quant import gguf_quantized_weights
 from worker.models.registry import build_model
 
 log = logging.getLogger(__name__)
@@ -38,6 +43,7 @@ class LoadedModel:
     device: torch.device
     max_model_len: int
     eos_token_ids: list[int]
+    quantization: str = "none"
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -121,8 +127,13 @@ def load_model(
     device: str = "auto",
     cache_dir: str | None = None,
     max_model_len: int | None = None,
+    quantization: str = "none",
 ) -> LoadedModel:
-    """Build our model for `ref` and load its weights onto `device` in `dtype`."""
+    """Build our model for `ref` and load its weights onto `device` in `dtype`.
+
+    `quantization` "int8"/"int4" makes every projection but the lm_head weight-only
+    quantized (`worker/layers/quant.py`); embeddings, norms and the lm_head keep `dtype`.
+    """
     from transformers import AutoConfig
 
     started = time.perf_counter()
@@ -130,19 +141,23 @@ def load_model(
     config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
+    check_quantization(quantization, torch_device)
     model_len = _max_model_len(config, max_model_len)
     with _default_dtype(torch_dtype), torch.device("meta"):
         model = build_model(config, model_len)
     model.to_empty(device=torch_device)
     with torch.no_grad():
-        model.load_weights(iter_safetensors(model_dir))
+        model.load_weights(_checkpoint(ref, model_dir, config, quantization))
+        if quantization != "none":
+            quantize_linears(model, quantization)
         model.post_load()
     model.eval()
     log.info(
-        "loaded %s (%s, %s, %s) in %.1fs",
+        "loaded %s (%s, %s, quantization %s, %s) in %.1fs",
         model_dir,
         type(model).__name__,
         torch_dtype,
+        quantization,
         torch_device,
         time.perf_counter() - started,
     )
@@ -154,7 +169,18 @@ def load_model(
         device=torch_device,
         max_model_len=model_len,
         eos_token_ids=eos_token_ids(model_dir, config),
+        quantization=quantization,
     )
+
+
+def _checkpoint(
+    ref: str, model_dir: Path, config: Any, quantization: str
+) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+    """The weights to load: a quantized GGUF's own blocks when quantizing, else safetensors."""
+    source = resolve_model(ref)
+    if quantization != "none" and source.kind == "gguf":
+        return gguf_quantized_weights(source.path, config.to_dict(), quantization)
+    return iter_safetensors(model_dir)
 
 
 def _max_model_len(config: Any, cap: int | None) -> int:

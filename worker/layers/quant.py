@@ -1,0 +1,220 @@
+"""Weight-only quantized linears: per-channel int8 and group-wise int4 on torch's CPU kernels.
+
+A weight is first a `QuantizedTensor` (plain integer values plus scales, rows = output
+features), which checkpoint shards (q/k/v, gate/up) concatenate into a fused layer's rows and
+which a GGUF's Q4_0/Q4_1/Q8_0 blocks map into (`worker/models/gguf_quant.py`). It is then
+packed once into a kernel that computes `x @ W.T + b`:
+
+* int8: `aten._weight_int8pack_mm` (int8 [N, K] and one scale per output row);
+* int4: `aten._weight_int4pack_mm_for_cpu` on `_convert_weight_to_int4pack_for_cpu`'s
+  layout, groups of `group_size` input features with a scale and a zero point each. Its
+  dequantisation is `(q - 8) * scale + zero`, so GGUF's `q * d + m` (Q4_1) maps exactly with
+  zero = m + 8 d, and Q4_0's `(q - 8) * d` with zero = 0.
+
+Both kernels run on bf16 activations and scales (`COMPUTE_DTYPE`), whatever the model dtype:
+torch 2.13's CPU kernels are vectorised for bf16 only; with float32 or fp16 activations they
+took 15-30x longer on SmolLM2's shapes (`loadtest.quant_kernels`, 2026-11-30, EPYC Zen 4).
+GGUF's fp16 scales are rounded to bf16 on the way (relative error <= 2^-9 per group).
+torchao 0.18 was read, not adopted: its CPU int4/int8 weight-only tensors call these same aten
+ops (`prototype/quantization/int4/int4_opaque_tensor.py`) and its PyPI wheel ships no CPU
+kernels of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+QUANTIZATION_MODES = ("none", "int8", "int4")
+# GGUF's Q4_0/Q4_1 block size; float weights are quantized with it too (finer groups, better
+# accuracy; the kernel's speed barely depends on it at these shapes).
+INT4_GROUP_SIZE = 32
+INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the CPU int4 kernel accepts
+COMPUTE_DTYPE = torch.bfloat16
+_OPS = {
+    "int8": ("_weight_int8pack_mm",),
+    "int4": ("_weight_int4pack_mm_for_cpu", "_convert_weight_to_int4pack_for_cpu"),
+}
+
+
+class QuantizationUnavailable(RuntimeError):
+    """This torch build lacks the kernels a quantization mode needs."""
+
+
+def check_quantization(mode: str, device: torch.device | str = "cpu") -> None:
+    """Raise a clear error where `mode` cannot run on `device` with this torch."""
+    if mode not in QUANTIZATION_MODES:
+        raise ValueError(f"unknown quantization {mode!r}; use {', '.join(QUANTIZATION_MODES)}")
+    if mode == "none":
+        return
+    if torch.device(device).type != "cpu":
+        raise QuantizationUnavailable(f"quantization {mode} runs on CPU only, not {device}")
+    missing = [op for op in _OPS[mode] if not hasattr(torch.ops.aten, op)]
+    if missing:
+        raise QuantizationUnavailable(
+            f"quantization {mode} needs aten.{', aten.'.join(missing)}, which torch "
+            f"{torch.__version__} lacks; use LLM_QUANTIZATION=none or a newer torch"
+        )
+
+
+@dataclass
+class QuantizedTensor:
+    """A weight [N out, K in] as integers and scales, rows in output-feature order.
+
+    int8: `values` int8, `scales` [N]; w = q * scale.
+    int4: `values` uint8 in 0..15, `scales` and `mins` [N, K / group]; w = q * scale + min.
+    """
+
+    mode: str
+    values: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+    @property
+    def group_size(self) -> int:
+        return self.values.shape[1] // self.scales.shape[1] if self.mode == "int4" else 0
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight these integers stand for."""
+        if self.mode == "int8":
+            return self.values.float() * self.scales[:, None]
+        assert self.mins is not None
+        group = self.group_size
+        return self.values.float() * self.scales.repeat_interleave(
+            group, 1
+        ) + self.mins.repeat_interleave(group, 1)
+
+    def rows(self, index: torch.Tensor | slice) -> QuantizedTensor:
+        """The same weight restricted (or permuted) to some output rows."""
+        mins = None if self.mins is None else self.mins[index]
+        return QuantizedTensor(self.mode, self.values[index], self.scales[index], mins)
+
+
+def quantize_int8(weight: torch.Tensor) -> QuantizedTensor:
+    """Symmetric per-output-channel int8: scale = max |w| / 127 of the row."""
+    weight = weight.detach().float()
+    scales = weight.abs().amax(dim=1).clamp(min=1e-12) / 127
+    values = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return QuantizedTensor("int8", values, scales)
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE) -> QuantizedTensor:
+    """Asymmetric int4 per group of `group_size` inputs: [min, max] onto 0..15 (as Q4_1)."""
+    if group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, not {group_size}")
+    rows, cols = weight.shape
+    if cols % group_size:
+        raise ValueError(f"in_features {cols} is not a multiple of the group size {group_size}")
+    groups = weight.detach().float().reshape(rows, cols // group_size, group_size)
+    mins = groups.amin(dim=2)
+    scales = ((groups.amax(dim=2) - mins) / 15).clamp(min=1e-12)
+    values = torch.round((groups - mins[..., None]) / scales[..., None]).clamp(0, 15)
+    return QuantizedTensor("int4", values.to(torch.uint8).reshape(rows, cols), scales, mins)
+
+
+def quantize(weight: torch.Tensor, mode: str) -> QuantizedTensor:
+    """`weight` [N, K] in `mode` ("int8" or "int4")."""
+    if mode == "int8":
+        return quantize_int8(weight)
+    if mode == "int4":
+        return quantize_int4(weight)
+    raise ValueError(f"cannot quantize to {mode!r}")
+
+
+def convert(tensor: QuantizedTensor, mode: str) -> QuantizedTensor:
+    """`tensor` in `mode`: as is where it already is, else requantized from its float32 values."""
+    if tensor.mode == mode and (mode == "int8" or tensor.group_size in INT4_GROUP_SIZES):
+        return tensor
+    return quantize(tensor.dequantize(), mode)
+
+
+def concat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
+    """Shards of one fused layer (same mode and group size), stacked in order."""
+    first = parts[0]
+    if any(p.mode != first.mode or p.group_size != first.group_size for p in parts):
+        raise ValueError("shards of a fused layer must share quantization mode and group size")
+    mins = None if first.mins is None else torch.cat([p.mins for p in parts])  # type: ignore[misc]
+    return QuantizedTensor(
+        first.mode,
+        torch.cat([p.values for p in parts]),
+        torch.cat([p.scales for p in parts]),
+        mins,
+    )
+
+
+class Int8Kernel:
+    """`x @ W.T + b` with W per-channel int8 (`aten._weight_int8pack_mm`)."""
+
+    name = "int8"
+
+    def __init__(
+        self,
+        weight: QuantizedTensor,
+        bias: torch.Tensor | None,
+        compute_dtype: torch.dtype = COMPUTE_DTYPE,
+    ) -> None:
+        self.compute_dtype = compute_dtype
+        self.values = weight.values.contiguous()
+        self.scales = weight.scales.to(compute_dtype).contiguous()
+        self.bias = None if bias is None else bias.detach().to(compute_dtype)
+        self.out_features = self.values.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.aten._weight_int8pack_mm(
+            x.to(self.compute_dtype).contiguous(), self.values, self.scales
+        )
+        if self.bias is not None:
+            out = out + self.bias
+        return out.to(x.dtype)
+
+
+class Int4Kernel:
+    """`x @ W.T + b` with W group-wise int4 (`aten._weight_int4pack_mm_for_cpu`)."""
+
+    name = "int4"
+
+    def __init__(
+        self,
+        weight: QuantizedTensor,
+        bias: torch.Tensor | None,
+        compute_dtype: torch.dtype = COMPUTE_DTYPE,
+    ) -> None:
+        assert weight.mins is not None
+        self.compute_dtype = compute_dtype
+        self.group_size = weight.group_size
+        if self.group_size not in INT4_GROUP_SIZES:
+            raise ValueError(f"int4 kernel needs a group size in {INT4_GROUP_SIZES}")
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            weight.values.to(torch.int32).contiguous(), 1
+        )
+        # [K / group, N, 2]: scale and zero of every group; zero = value at q = 8.
+        zeros = weight.mins + 8 * weight.scales
+        self.scales_and_zeros = (
+            torch.stack([weight.scales, zeros], dim=-1).transpose(0, 1).to(compute_dtype)
+        ).contiguous()
+        self.bias = None if bias is None else bias.detach().to(compute_dtype)
+        self.out_features = weight.values.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.to(self.compute_dtype).contiguous(),
+            self.packed,
+            self.group_size,
+            self.scales_and_zeros,
+        )
+        if self.bias is not None:
+            out = out + self.bias
+        return out.to(x.dtype)
+
+
+QuantizedKernel = Int8Kernel | Int4Kernel
+
+
+def build_quantized_kernel(weight: QuantizedTensor, bias: torch.Tensor | None) -> QuantizedKernel:
+    """The kernel for a quantized weight's mode."""
+    return Int8Kernel(weight, bias) if weight.mode == "int8" else Int4Kernel(weight, bias)
