@@ -52,7 +52,7 @@ def quantized_linear(tensor: Any, mode: str) -> QuantizedTensor:
     kind = tensor.tensor_type.name
     if mode == "int4" and kind in Q4_BLOCK_BYTES:
         return q4_to_int4(np.asarray(tensor.data), kind)
-    return quantize(torch.from_numpy(dequantized(tensor)), mode)
+    return quantize(torch.from_numpy(np.array(dequantized(tensor))), mode)
 
 
 def _row_order(rows: int, heads: int) -> torch.Tensor:
