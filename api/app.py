@@ -21,6 +21,7 @@ from api.batch_runner import BatchRunner
 from api.batches import BatchStore
 from api.errors import install_error_handlers
 from api.files import FileStore
+from api.idempotency import IdempotencyStore
 from api.jobs import JobStore
 from api.keyring import KeyRingHolder
 from api.middleware import BodyLimitMiddleware, RequestContextMiddleware
@@ -30,6 +31,7 @@ from api.relay import Relay
 from api.services import Services
 from api.workers import WorkerDirectory
 from shared.config import Settings, get_settings
+from shared.contracts import QUEUED_GRACE_S
 from shared.keys import Keys
 from shared.metrics import ApiMetrics
 from shared.queue import deserialize_job, serialize_job
@@ -78,6 +80,7 @@ def build_services(
         batches=BatchStore(redis, keys),
         keyring=KeyRingHolder(settings),
         limiter=limiter,
+        idempotency=IdempotencyStore(redis, keys, QUEUED_GRACE_S + settings.job_ttl_s),
     )
 
 

@@ -13,6 +13,7 @@ from api.auth import require_api_key
 from api.completions import parse_body, parse_dict, prepare_job, response_context
 from api.errors import APIError
 from api.formatting import build_response, usage_dict
+from api.idempotency import fingerprint, idempotency_key
 from api.protocol import ChatCompletionRequest, CompletionRequest, JobCreateRequest, openapi_body
 from api.relay import parse_entry_id
 from api.services import Services, get_services
@@ -62,13 +63,39 @@ async def create_job(
     api_key_id: str | None = Depends(require_api_key),
     services: Services = Depends(get_services),
 ) -> JSONResponse:
+    """Submit a job (202). With `Idempotency-Key`, the same key and body give back the first
+    job (202, `Idempotent-Replayed: true`) and another body a 409."""
+    key = idempotency_key(request)
     envelope = await parse_body(request, JobCreateRequest)
     model = CompletionRequest if envelope.url == "/v1/completions" else ChatCompletionRequest
     body = parse_dict({**envelope.body, "stream": False}, model)  # jobs are polled
     payload = await prepare_job(services, body, api_key_id=api_key_id, deadline_s=None)
     job_id_var.set(payload.id)
-    record = await services.jobs.submit(payload, envelope.url, request.state.quota)
+    if key is None:
+        record = await services.jobs.submit(payload, envelope.url, request.state.quota)
+        return JSONResponse(await job_object(services, record), status_code=202)
+    claim = await services.idempotency.claim(
+        request.state.quota.policy.bucket,
+        key,
+        fingerprint(await request.body()),
+        payload.id,
+        exists=lambda job_id: _job_exists(services, job_id),
+    )
+    if claim.existing_id is not None:
+        job_id_var.set(claim.existing_id)
+        record = await services.jobs.get_owned(claim.existing_id, api_key_id)
+        headers = {"Idempotent-Replayed": "true"}
+        return JSONResponse(await job_object(services, record), 202, headers=headers)
+    try:
+        record = await services.jobs.submit(payload, envelope.url, request.state.quota)
+    except BaseException:
+        await services.idempotency.release(claim)
+        raise
     return JSONResponse(await job_object(services, record), status_code=202)
+
+
+async def _job_exists(services: Services, job_id: str) -> bool:
+    return await services.jobs.get(job_id) is not None
 
 
 @router.get("/v1/jobs/{job_id}")

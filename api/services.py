@@ -9,6 +9,7 @@ from fastapi import Request
 
 from api.batches import BatchStore
 from api.files import FileStore
+from api.idempotency import IdempotencyStore
 from api.jobs import JobStore
 from api.keyring import KeyRingHolder
 from api.prompting import TokenizerHolder
@@ -34,6 +35,7 @@ class Services:
     batches: BatchStore
     keyring: KeyRingHolder
     limiter: RateLimiter
+    idempotency: IdempotencyStore
 
 
 def get_services(request: Request) -> Services:

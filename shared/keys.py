@@ -107,3 +107,7 @@ class Keys:
     def rate_tokens(self, bucket: str) -> str:
         """Hash: Unix second -> tokens reserved then (per-key tokens per minute)."""
         return f"{self.prefix}:ratelimit:{bucket}:tokens"
+
+    def idempotency(self, scope: str, key_hash: str) -> str:
+        """String: an `Idempotency-Key`'s claim (the object it created and the body's hash)."""
+        return f"{self.prefix}:idem:{scope}:{key_hash}"
