@@ -54,6 +54,15 @@ class Settings(BaseSettings):
     cuda_graphs: bool = Field(
         True, description="replay decode steps as CUDA graphs (CUDA only; off: eager)"
     )
+    speculative_ngram: int = Field(
+        0,
+        ge=0,
+        le=16,
+        description="draft tokens per decode step from n-gram prompt lookup; 0: off",
+    )
+    speculative_ngram_size: int = Field(
+        3, ge=1, le=8, description="longest n-gram matched for speculation (down to 1)"
+    )
     cache_dir: str | None = None
 
     # Worker behaviour

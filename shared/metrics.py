@@ -89,6 +89,20 @@ NUM_WAITING = MetricSpec("llm_num_requests_waiting", "sequences waiting", Gauge)
 PREEMPTIONS = MetricSpec("llm_num_preemptions", "preempted sequences", Counter)
 PREFIX_CACHE_QUERIES = MetricSpec("llm_prefix_cache_queries", "prompt tokens looked up", Counter)
 PREFIX_CACHE_HITS = MetricSpec("llm_prefix_cache_hits", "prompt tokens found cached", Counter)
+SPEC_DRAFT_TOKENS = MetricSpec(
+    "llm_spec_decode_draft_tokens", "draft tokens proposed (n-gram speculation)", Counter
+)
+SPEC_ACCEPTED_TOKENS = MetricSpec(
+    "llm_spec_decode_accepted_tokens", "draft tokens accepted (n-gram speculation)", Counter
+)
+SPEC_ACCEPTANCE_RATE = MetricSpec(
+    "llm_spec_decode_acceptance_rate", "accepted / proposed draft tokens since start", Gauge
+)
+TOKENS_PER_DECODE_STEP = MetricSpec(
+    "llm_tokens_per_decode_step",
+    "tokens a decoding sequence gains per engine step since start (1 without speculation)",
+    Gauge,
+)
 
 SUPERVISOR_RESTARTS = MetricSpec(
     "llm_supervisor_restarts", "children ladle up restarted", Counter, ("child",)
@@ -144,6 +158,10 @@ class WorkerMetrics:
         self.preemptions = PREEMPTIONS.create(r)
         self.prefix_cache_queries = PREFIX_CACHE_QUERIES.create(r)
         self.prefix_cache_hits = PREFIX_CACHE_HITS.create(r)
+        self.spec_draft_tokens = SPEC_DRAFT_TOKENS.create(r)
+        self.spec_accepted_tokens = SPEC_ACCEPTED_TOKENS.create(r)
+        self.spec_acceptance_rate = SPEC_ACCEPTANCE_RATE.create(r)
+        self.tokens_per_decode_step = TOKENS_PER_DECODE_STEP.create(r)
 
 
 class SupervisorMetrics:

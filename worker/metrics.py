@@ -52,4 +52,16 @@ class WorkerMetricsRecorder:
         m.prefix_cache_hits.inc(
             max(stats.num_prefix_hit_tokens - self._last.num_prefix_hit_tokens, 0)
         )
+        self._observe_speculation(stats)
         self._last = stats
+
+    def _observe_speculation(self, stats: EngineStats) -> None:
+        m = self.metrics
+        m.spec_draft_tokens.inc(
+            max(stats.num_spec_draft_tokens - self._last.num_spec_draft_tokens, 0)
+        )
+        m.spec_accepted_tokens.inc(
+            max(stats.num_spec_accepted_tokens - self._last.num_spec_accepted_tokens, 0)
+        )
+        m.spec_acceptance_rate.set(stats.spec_acceptance_rate)
+        m.tokens_per_decode_step.set(stats.tokens_per_decode_step)

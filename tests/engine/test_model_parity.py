@@ -150,7 +150,7 @@ def _greedy_with_runner(runner: ModelRunner, prompts: list[list[int]], steps: in
         chunks += [batch.chunk(r, r.num_tokens) for r in prefilling]
         output = runner.execute(batch.step(chunks))
         for request in requests:
-            request.append_output_token(output.sampled[request.request_id].token_id)
+            request.append_output_token(output.sampled[request.request_id][0].token_id)
     return [r.output_token_ids for r in requests]
 
 

@@ -96,6 +96,9 @@ class ArgmaxSampler:
         assert logits.dtype == torch.float32 and logits.shape[0] == len(requests)
         return [SampledToken(token_id=int(t)) for t in logits.argmax(dim=-1).tolist()]
 
+    def rewind(self, request_id: str, num_rows: int) -> None:
+        """Nothing to undo: argmax draws no random numbers."""
+
     def release(self, request_ids: list[str]) -> None:
         self.released += request_ids
 

@@ -277,3 +277,29 @@ def test_allocate_prefix_rejects_request_holding_blocks(bm: BlockManager) -> Non
         bm.allocate_prefix(a)
     bm.free("a")
     assert bm.num_free_blocks == 8
+
+
+def test_free_tail_releases_rolled_back_blocks_first_in_line(bm: BlockManager) -> None:
+    """Speculation's rollback: blocks past the kept tokens are released, unhashed, and
+    reused before free blocks that still cache a prefix."""
+    cached = make_request("c", list(range(100, 108)))
+    admit(bm, cached)
+    compute_all(bm, cached)
+    bm.free("c")  # blocks 1, 0 stay cached on the free list
+    req = make_request("a", list(range(6)))
+    admit(bm, req)
+    req.num_computed_tokens, req.output_token_ids = 6, [6]  # prefilled, one token sampled
+    assert bm.allocate_slots(req, 1 + 9)  # the last token and 9 drafts: positions 6..15
+    assert bm.get_block_ids("a") == [2, 3, 4, 5]
+    req.num_computed_tokens += 1 + 1  # one draft kept, then a correction: 9 tokens known
+    req.output_token_ids += [7, 99]
+    bm.free_tail("a", req.num_tokens)
+    bm.cache_full_blocks(req, req.num_computed_tokens)
+    assert bm.get_block_ids("a") == [2, 3, 4]
+    assert ref_counts(bm) == [0, 0, 1, 1, 1, 0, 0, 0]
+    assert bm.free_block_ids()[0] == 5 and bm.free_block_ids()[-2:] == [1, 0]
+    assert bm.num_cached_blocks == 4  # "c"'s two, [0 1 2 3] and [4 5 6 7]; not [99 ...]
+    bm.free_tail("a", req.num_tokens)  # nothing past the kept tokens: no change
+    assert bm.get_block_ids("a") == [2, 3, 4]
+    bm.free("a")
+    assert ref_counts(bm) == [0] * 8

@@ -132,6 +132,8 @@ def test_metric_groups() -> None:
         "llm_batch_size",
         "llm_num_preemptions_total",
         "llm_prefix_cache_hits_total",
+        "llm_spec_decode_acceptance_rate",
+        "llm_tokens_per_decode_step",
         "llm_inter_token_latency_seconds",
     ):
         assert name in worker_text

@@ -63,7 +63,7 @@ def step(scheduler: Scheduler) -> tuple[SchedulerOutput, list[Request]]:
     """One engine step: schedule, fake the runner (token = 1000 + position), update, stop."""
     output = scheduler.schedule()
     sampled = {
-        chunk.request.request_id: SampledToken(token_id=1000 + chunk.request.num_tokens)
+        chunk.request.request_id: [SampledToken(token_id=1000 + chunk.request.num_tokens)]
         for chunk in output.chunks
         if chunk.is_sampling
     }
@@ -301,7 +301,7 @@ def test_abort_frees_blocks_at_once(state: str) -> None:
     assert bm.num_free_blocks == bm.num_blocks - len(bm.get_block_ids("a"))
     if output is not None:  # the aborted request's in-flight chunk is ignored
         updated = scheduler.update_from_output(
-            output, ModelRunnerOutput({"a": SampledToken(5), "b": SampledToken(6)})
+            output, ModelRunnerOutput({"a": [SampledToken(5)], "b": [SampledToken(6)]})
         )
         assert updated == [a]
         assert b.output_token_ids == [1007]
@@ -335,10 +335,17 @@ def test_request_outgrowing_whole_cache_is_stopped() -> None:
     assert outputs[3].finished_request_ids == ["a"]
 
 
-def test_random_workload_keeps_kv_content_consistent() -> None:
-    """Fake KV store: every computed position must read back the token written for it."""
+@pytest.mark.parametrize("num_drafts", [0, 3])
+def test_random_workload_keeps_kv_content_consistent(num_drafts: int) -> None:
+    """Fake KV store: every computed position must read back the token written for it.
+
+    With speculation, draft positions are written with the drafts and a random prefix of
+    them is accepted: rolled-back content must never be read, nor found by a prefix hit.
+    """
     rng = random.Random(0)
-    scheduler = make_scheduler(num_blocks=12, max_num_batched_tokens=16, max_num_seqs=5)
+    scheduler = make_scheduler(
+        num_blocks=12, max_num_batched_tokens=16, max_num_seqs=5, num_speculative_tokens=num_drafts
+    )
     bm = scheduler.block_manager
     prefixes = [[rng.randrange(50) for _ in range(9)] for _ in range(3)]
     for index in range(30):
@@ -362,14 +369,18 @@ def test_random_workload_keeps_kv_content_consistent() -> None:
         output = scheduler.schedule()
         assert output.num_batched_tokens <= 16 and len(scheduler.running) <= 5
         for chunk in output.chunks:
-            tokens = chunk.request.all_token_ids
+            tokens = chunk.request.all_token_ids + chunk.draft_token_ids
             table = chunk.block_ids
             for pos in range(chunk.start_position):
                 assert kv[(table[pos // BS], pos % BS)] == tokens[pos]
             for pos in range(chunk.start_position, chunk.start_position + chunk.num_tokens):
                 kv[(table[pos // BS], pos % BS)] = tokens[pos]
         sampled = {
-            c.request.request_id: SampledToken(rng.randrange(50))
+            c.request.request_id: [
+                SampledToken(t)
+                for t in c.draft_token_ids[: rng.randint(0, len(c.draft_token_ids))]
+                + [rng.randrange(50)]
+            ]
             for c in output.chunks
             if c.is_sampling
         }
@@ -382,3 +393,68 @@ def test_random_workload_keeps_kv_content_consistent() -> None:
         assert held == sum(bm.get_ref_count(i) for i in range(bm.num_blocks))
     assert not scheduler.has_unfinished_requests()
     assert bm.num_prefix_hit_tokens > 0 and scheduler.num_preemptions_total > 0
+    stats = scheduler.spec_stats
+    assert (0 < stats.num_accepted_tokens < stats.num_draft_tokens) == (num_drafts > 0)
+
+
+def test_speculation_rolls_back_rejected_drafts_exactly() -> None:
+    scheduler = make_scheduler(num_blocks=16, num_speculative_tokens=3)
+    bm = scheduler.block_manager
+    request = Request("a", [1, 2, 3, 1, 2], SamplingParams(temperature=0.0), max_tokens=8)
+    scheduler.add_request(request)
+    output = scheduler.schedule()
+    scheduler.update_from_output(output, ModelRunnerOutput({"a": [SampledToken(3)]}))
+    assert request.all_token_ids == [1, 2, 3, 1, 2, 3]
+
+    # "1 2 3" was followed by "1 2 3": one step computes the last token and three drafts.
+    output = scheduler.schedule()
+    chunk = output.chunks[0]
+    assert (chunk.start_position, chunk.num_tokens, chunk.draft_token_ids) == (5, 4, [1, 2, 3])
+    assert len(bm.get_block_ids("a")) == 3
+    third_block = bm.get_block_ids("a")[2]
+    # The first draft stands, the second does not: the model picked 7 there.
+    kept = [SampledToken(1), SampledToken(7)]
+    scheduler.update_from_output(output, ModelRunnerOutput({"a": kept}))
+    assert request.output_token_ids == [3, 1, 7]
+    assert request.num_computed_tokens == 7  # prompt 5 + the last token and one draft
+    assert len(bm.get_block_ids("a")) == 2  # 8 tokens known: the third block is released
+    assert bm.get_ref_count(third_block) == 0 and bm.free_block_ids()[0] == third_block
+    assert bm.num_cached_blocks == 1  # [1 2 3 1]; [2 3 1 7] is not computed to its end
+    stats = scheduler.spec_stats
+    assert (stats.num_draft_tokens, stats.num_accepted_tokens) == (3, 1)
+    assert (stats.num_decode_steps, stats.num_decode_tokens) == (1, 2)
+
+    # No earlier 7: a plain decode step; then drafts again, all accepted, plus a bonus token.
+    output = scheduler.schedule()
+    assert [(c.num_tokens, c.draft_token_ids) for c in output.chunks] == [(1, [])]
+    scheduler.update_from_output(output, ModelRunnerOutput({"a": [SampledToken(2)]}))
+    output = scheduler.schedule()
+    assert output.chunks[0].draft_token_ids == [3, 1, 7]  # after the earlier "2", capped: 8 - 4 - 1
+    kept = [SampledToken(t) for t in output.chunks[0].draft_token_ids] + [SampledToken(9)]
+    scheduler.update_from_output(output, ModelRunnerOutput({"a": kept}))
+    assert request.output_token_ids == [3, 1, 7, 2, 3, 1, 7, 9]
+    assert request.num_computed_tokens == request.num_tokens - 1
+    assert len(bm.get_block_ids("a")) == 3  # 12 computed; the bonus token's slot comes next step
+    scheduler.finish_request("a", RequestStatus.FINISHED_LENGTH)
+
+
+def test_drafts_never_exceed_max_tokens_budget_or_free_blocks() -> None:
+    scheduler = make_scheduler(num_blocks=3, num_speculative_tokens=4, max_num_batched_tokens=16)
+    request = Request("a", [5, 6, 5, 6, 5, 6, 5], SamplingParams(temperature=0.0), max_tokens=3)
+    scheduler.add_request(request)
+    output = scheduler.schedule()
+    scheduler.update_from_output(output, ModelRunnerOutput({"a": [SampledToken(6)]}))
+    output = scheduler.schedule()
+    # 2 outputs still allowed: one draft at most (the step's own token is the second).
+    assert output.chunks[0].draft_token_ids == [5]
+    scheduler.update_from_output(output, ModelRunnerOutput({"a": [SampledToken(4)]}))
+    scheduler.finish_request("a", RequestStatus.FINISHED_LENGTH)
+
+    long = Request("b", [5, 6] * 5 + [5], SamplingParams(temperature=0.0), max_tokens=8)
+    scheduler.add_request(long)
+    output = scheduler.schedule()
+    scheduler.update_from_output(output, ModelRunnerOutput({"b": [SampledToken(6)]}))
+    # 12 tokens fill all 3 blocks: drafts would need a fourth, so none are proposed.
+    output = scheduler.schedule()
+    assert output.chunks[0].draft_token_ids == [] and not output.preempted_request_ids
+    scheduler.finish_request("b", RequestStatus.FINISHED_LENGTH)

@@ -35,18 +35,21 @@ def decode_tensors(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Block tables [R, max_blocks] and additive key mask [R, 1, max_blocks * bs].
 
-    By default R = len(chunks) and max_blocks is the longest context's. A CUDA graph asks for
+    One row per token: a decode chunk with drafts has a row for each of its positions, all on
+    the same block table, each seeing the keys up to itself. By default R is the number of
+    tokens and max_blocks the longest context's. A CUDA graph asks for
     fixed sizes instead: rows past the chunks point every block at `pad_block` and attend to
     its first slot only (no row is all -inf, so no NaN even in padding).
     """
-    context_lens = [c.start_position + 1 for c in chunks]
+    row_tables = [c.block_ids for c in chunks for _ in range(c.num_tokens)]
+    context_lens = [c.start_position + j + 1 for c in chunks for j in range(c.num_tokens)]
     blocks_used = [cdiv(n, block_size) for n in context_lens]
     max_blocks = num_blocks or max(blocks_used)
-    num_pad = (num_rows or len(chunks)) - len(chunks)
+    num_pad = (num_rows or len(row_tables)) - len(row_tables)
     # Padding points at a sequence's first block: any real block, masked out below.
     rows = [
-        c.block_ids[:used] + c.block_ids[:1] * (max_blocks - used)
-        for c, used in zip(chunks, blocks_used, strict=True)
+        table[:used] + table[:1] * (max_blocks - used)
+        for table, used in zip(row_tables, blocks_used, strict=True)
     ] + [[pad_block] * max_blocks] * num_pad
     tables = torch.tensor(rows, dtype=torch.long)
     lens = torch.tensor(context_lens + [1] * num_pad, dtype=torch.long)
@@ -80,23 +83,25 @@ def build_step_inputs(
     logits_indices: list[int] = []
     prefills: list[PrefillChunkMeta] = []
     num_decode = 0
+    num_decode_chunks = 0
     for chunk in chunks:
         start, end = chunk.start_position, chunk.start_position + chunk.num_tokens
         token_start = len(input_ids)
-        if chunk.num_tokens == 1 and token_start == num_decode:
-            num_decode += 1
+        if chunk.is_decode and token_start == num_decode:
+            num_decode += chunk.num_tokens
+            num_decode_chunks += 1
         else:
             prefills.append(_prefill_meta(chunk, token_start, block_size, device))
-        input_ids += chunk.request.token_ids_slice(start, end)
+        known_end = end - len(chunk.draft_token_ids)
+        input_ids += chunk.request.token_ids_slice(start, known_end) + chunk.draft_token_ids
         positions += range(start, end)
         slot_mapping += slots_for(chunk.block_ids, start, end, block_size)
-        if chunk.is_sampling:
-            logits_indices.append(len(input_ids) - 1)
+        logits_indices += range(len(input_ids) - chunk.num_sampled_rows, len(input_ids))
     metadata = AttentionMetadata(
         slot_mapping=_to(slot_mapping, device), num_decode_tokens=num_decode, prefills=prefills
     )
     if num_decode:
-        tables, mask = decode_tensors(chunks[:num_decode], block_size)
+        tables, mask = decode_tensors(chunks[:num_decode_chunks], block_size)
         metadata.decode_block_tables = tables.to(device, non_blocking=True)
         metadata.decode_mask = mask.to(device, non_blocking=True)
     return StepInputs(

@@ -192,6 +192,24 @@ class BlockManager:
             if block.ref_count == 0:
                 self._free_ids[block_id] = None
 
+    def free_tail(self, request_id: str, num_tokens: int) -> None:
+        """Release the request's blocks past those covering its first `num_tokens` tokens.
+
+        Speculation rolls back this way: blocks that held only rejected drafts were never
+        hashed (hashing stops at the computed length), hold nothing worth keeping, and go to
+        the head of the free list, to be reused before any block that caches a prefix.
+        """
+        table = self._tables.get(request_id)
+        if table is None:
+            return
+        num_kept = cdiv(num_tokens, self.block_size)
+        while len(table) > num_kept:
+            block = self.blocks[table.pop()]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free_ids[block.block_id] = None
+                self._free_ids.move_to_end(block.block_id, last=False)
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash; blocks in use stay allocated but are no longer shared."""
         for block in self.blocks:

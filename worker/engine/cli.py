@@ -50,6 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="weight-only quantized projections (CPU)",
     )
     parser.add_argument("--kv-cache-size-mb", type=int, default=EngineConfig.kv_cache_size_mb)
+    parser.add_argument(
+        "--speculative-ngram",
+        type=int,
+        default=EngineConfig.speculative_ngram,
+        help="draft tokens per decode step from n-gram prompt lookup (0: off)",
+    )
     return parser
 
 
@@ -65,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
             device=args.device,
             quantization=args.quantization,
             kv_cache_size_mb=args.kv_cache_size_mb,
+            speculative_ngram=args.speculative_ngram,
         )
     )
     load_s = time.perf_counter() - started

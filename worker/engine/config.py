@@ -24,6 +24,8 @@ class EngineConfig:
     num_threads: int | None = None
     decode_threads: int | None = None
     cuda_graphs: bool = True
+    speculative_ngram: int = 0
+    speculative_ngram_size: int = 3
 
     @classmethod
     def from_settings(cls, settings: Settings) -> EngineConfig:
@@ -43,4 +45,6 @@ class EngineConfig:
             num_threads=settings.num_threads,
             decode_threads=settings.decode_threads,
             cuda_graphs=settings.cuda_graphs,
+            speculative_ngram=settings.speculative_ngram,
+            speculative_ngram_size=settings.speculative_ngram_size,
         )

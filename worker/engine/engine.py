@@ -70,6 +70,23 @@ class EngineStats:
     num_prefix_hit_tokens: int
     last_batch_size: int = 0
     last_num_batched_tokens: int = 0
+    # Speculative decoding (n-gram), counted since start; see SpeculationStats.
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+    num_decode_steps: int = 0
+    num_decode_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Drafts kept / drafts proposed (0.0 before the first draft)."""
+        drafted = self.num_spec_draft_tokens
+        return self.num_spec_accepted_tokens / drafted if drafted else 0.0
+
+    @property
+    def tokens_per_decode_step(self) -> float:
+        """Tokens a decoding sequence gained per step (1.0 without speculation)."""
+        steps = self.num_decode_steps
+        return self.num_decode_tokens / steps if steps else 0.0
 
 
 @dataclass
@@ -113,6 +130,8 @@ class LLMEngine:
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
+                num_speculative_tokens=config.speculative_ngram,
+                speculative_max_ngram=config.speculative_ngram_size,
             ),
             self.block_manager,
         )
@@ -219,6 +238,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
+        spec = self.scheduler.spec_stats
         return EngineStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
@@ -231,19 +251,18 @@ class LLMEngine:
             num_prefix_hit_tokens=bm.num_prefix_hit_tokens,
             last_batch_size=self._last_step.batch_size,
             last_num_batched_tokens=self._last_step.num_batched_tokens,
+            num_spec_draft_tokens=spec.num_draft_tokens,
+            num_spec_accepted_tokens=spec.num_accepted_tokens,
+            num_decode_steps=spec.num_decode_steps,
+            num_decode_tokens=spec.num_decode_tokens,
         )
 
     # ---- internals ---------------------------------------------------------------------
 
-    def _process(self, request: Request, sampled: SampledToken) -> SequenceOutput:
+    def _process(self, request: Request, sampled: list[SampledToken]) -> SequenceOutput:
         seq = self._sequences[request.request_id]
         params = request.sampling_params
-        token_id = sampled.token_id
-        is_stop_token = token_id in params.stop_token_ids or (
-            token_id in request.eos_token_ids and not params.ignore_eos
-        )
-        text = "" if is_stop_token else seq.detokenizer.append(token_id)
-        finish = self._finish_reason(request, is_stop_token, seq.detokenizer)
+        kept, text, finish = self._take_tokens(request, sampled, seq.detokenizer)
         if finish is not None:
             if seq.detokenizer.stop_reason is None:
                 text += seq.detokenizer.flush()
@@ -259,22 +278,56 @@ class LLMEngine:
             request_id=seq.parent_id,
             index=seq.index,
             new_text=text,
-            new_token_ids=[token_id],
-            new_logprobs=[sampled] if params.logprobs is not None else None,
+            new_token_ids=[s.token_id for s in kept],
+            new_logprobs=kept if params.logprobs is not None else None,
             finish_reason=finish,
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
             num_cached_tokens=request.num_cached_tokens,
         )
 
+    def _take_tokens(
+        self,
+        request: Request,
+        sampled: list[SampledToken],
+        detokenizer: IncrementalDetokenizer,
+    ) -> tuple[list[SampledToken], str, str | None]:
+        """Detokenize and stop-check the step's tokens (several with speculation) in order.
+
+        Tokens after the first that finishes the sequence are dropped from the request too.
+        Returns the tokens kept, their text and the finish reason.
+        """
+        params = request.sampling_params
+        num_before = request.num_output_tokens - len(sampled)
+        text, finish, kept = "", None, []
+        for sample in sampled:
+            kept.append(sample)
+            token_id = sample.token_id
+            is_stop_token = token_id in params.stop_token_ids or (
+                token_id in request.eos_token_ids and not params.ignore_eos
+            )
+            if not is_stop_token:
+                text += detokenizer.append(token_id)
+            finish = self._finish_reason(
+                request, num_before + len(kept), is_stop_token, detokenizer
+            )
+            if finish is not None:
+                break
+        del request.output_token_ids[num_before + len(kept) :]
+        return kept, text, finish
+
     def _finish_reason(
-        self, request: Request, is_stop_token: bool, detokenizer: IncrementalDetokenizer
+        self,
+        request: Request,
+        num_output_tokens: int,
+        is_stop_token: bool,
+        detokenizer: IncrementalDetokenizer,
     ) -> str | None:
         if is_stop_token or detokenizer.stop_reason is not None:
             return "stop"
-        if request.num_output_tokens >= request.max_tokens:
+        if num_output_tokens >= request.max_tokens:
             return "length"
-        if request.num_tokens >= self.max_model_len:
+        if request.num_prompt_tokens + num_output_tokens >= self.max_model_len:
             return "length"
         return None
 

@@ -86,7 +86,7 @@ class TorchExecutor:
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if self._switch_threads:
-            is_decode_only = all(c.num_tokens == 1 for c in scheduler_output.chunks)
+            is_decode_only = all(c.is_decode for c in scheduler_output.chunks)
             threads = self.decode_threads if is_decode_only else self.num_threads
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)

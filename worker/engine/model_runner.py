@@ -10,6 +10,7 @@ import torch
 from worker.engine.attention_metadata import build_step_inputs
 from worker.engine.cuda_graphs import CudaGraphBackend, DecodeGraphs, GraphCaptureError
 from worker.engine.kv_cache import KVCache, allocate_kv_cache, bind_kv_cache
+from worker.engine.ngram import accept_drafts
 from worker.engine.outputs import ModelRunnerOutput, SampledToken, SchedulerOutput
 from worker.engine.request import Request
 from worker.layers.context import set_attention_metadata
@@ -22,6 +23,8 @@ logger = logging.getLogger(__name__)
 class SamplerLike(Protocol):
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]: ...
 
+    def rewind(self, request_id: str, num_rows: int) -> None: ...
+
     def release(self, request_ids: list[str]) -> None: ...
 
 
@@ -30,7 +33,8 @@ class ModelRunner:
 
     Per step: flat ragged inputs (no padding), slot mapping from block tables, attention
     metadata in the per-step context, logits (float32) only at the last token of sampling
-    chunks, then the sampler.
+    chunks (at every position of a chunk with drafts), then the sampler and, for drafts,
+    verification.
     """
 
     def __init__(
@@ -71,7 +75,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def compute_logits(self, scheduler_output: SchedulerOutput) -> torch.Tensor:
-        """Float32 logits [S, vocab], one row per sampling chunk, in chunk order."""
+        """Float32 logits [S, vocab]: `num_sampled_rows` rows per chunk, in chunk order."""
         chunks = scheduler_output.chunks
         if self.graphs is not None and self.graphs.supports(chunks):
             try:
@@ -97,13 +101,23 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return ModelRunnerOutput()
         logits = self.compute_logits(scheduler_output)
-        requests = [c.request for c in scheduler_output.chunks if c.is_sampling]
-        if not requests:
+        chunks = [c for c in scheduler_output.chunks if c.is_sampling]
+        if not chunks:
             return ModelRunnerOutput()
-        sampled = self.sampler.sample(logits, requests)
-        return ModelRunnerOutput(
-            sampled={r.request_id: s for r, s in zip(requests, sampled, strict=True)}
-        )
+        # A chunk with k drafts has k + 1 rows, sampled exactly as k + 1 decode steps would be.
+        rows = [c.request for c in chunks for _ in range(c.num_sampled_rows)]
+        sampled = self.sampler.sample(logits, rows)
+        output = ModelRunnerOutput()
+        row = 0
+        for chunk in chunks:
+            chunk_rows = sampled[row : row + chunk.num_sampled_rows]
+            row += chunk.num_sampled_rows
+            num_kept = accept_drafts(chunk.draft_token_ids, [s.token_id for s in chunk_rows])
+            num_unused = len(chunk_rows) - (num_kept + 1)
+            if num_unused:
+                self.sampler.rewind(chunk.request.request_id, num_unused)
+            output.sampled[chunk.request.request_id] = chunk_rows[: num_kept + 1]
+        return output
 
     def release(self, request_ids: list[str]) -> None:
         """Forget per-request sampler state (finished, aborted or preempted requests)."""

@@ -6,6 +6,14 @@ temperature, min_p, top_k, top_p and an exponential race (argmax of probs / Exp(
 done in log space as argmax(logits - log(noise)). A seeded request draws its noise from its
 own generator, so its tokens do not depend on the rest of the batch. Logprobs come from the
 raw logits, before any processing.
+
+Speculative decoding passes a request once per position it verifies (rows in position
+order). Each row is sampled from that position's own distribution with fresh noise, and a
+draft stands only where it equals the token drawn there; this is rejection sampling for a
+point-mass draft (draft d kept with probability p(d); otherwise a token from p with d
+removed, renormalised), so the distribution is exactly that of plain decoding. A seeded
+request's draws for rows that were not used are undone (`rewind`), so its tokens are the
+same with speculation on or off.
 """
 
 from __future__ import annotations
@@ -29,16 +37,30 @@ class Sampler:
 
     def __init__(self) -> None:
         self._generators: dict[str, torch.Generator] = {}
+        # Generator states before each seeded draw of the latest `sample` call, per request.
+        self._states_before_draws: dict[str, list[torch.Tensor]] = {}
 
     def release(self, request_ids: Iterable[str]) -> None:
         """Drop per-request state (seeded generators) of finished or aborted requests."""
         for request_id in request_ids:
             self._generators.pop(request_id, None)
 
+    def rewind(self, request_id: str, num_rows: int) -> None:
+        """Undo the random draws of the request's last `num_rows` rows in the latest call."""
+        states = self._states_before_draws.get(request_id)
+        generator = self._generators.get(request_id)
+        if states and generator is not None and num_rows > 0:
+            generator.set_state(states[-num_rows])
+
     def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[SampledToken]:
-        """Pick a token for each request; row i of `logits` belongs to `requests[i]`."""
+        """Pick a token for each row; row i of `logits` belongs to `requests[i]`.
+
+        A request may own several rows (consecutive positions, in order): each is sampled as
+        its own decode step would be.
+        """
         if len(requests) != logits.shape[0]:
             raise ValueError(f"{logits.shape[0]} logits rows for {len(requests)} requests")
+        self._states_before_draws.clear()
         if _is_plain_greedy(requests):
             return [SampledToken(token_id) for token_id in logits.argmax(dim=-1).tolist()]
         raw_logits = logits.float()
@@ -80,9 +102,7 @@ class Sampler:
         uniform = torch.rand(values.shape, device=logits.device)
         for row, request in enumerate(requests):
             if request.sampling_params.seed is not None:
-                generator = self._generator(request, logits.device)
-                full = torch.rand(logits.shape[1], generator=generator, device=logits.device)
-                uniform[row] = full[indices[row]]
+                uniform[row] = self._seeded_uniform(request, logits)[indices[row]]
         noise = uniform.clamp_(min=_MIN_UNIFORM).log_().neg_()
         race = (values - noise.log()).masked_fill_(~keep, _NEG_INF)
         return indices.gather(1, race.argmax(dim=-1, keepdim=True)).squeeze(1)
@@ -92,11 +112,15 @@ class Sampler:
         uniform = torch.rand_like(logits)
         for row, request in enumerate(requests):
             if request.sampling_params.seed is not None:
-                generator = self._generator(request, logits.device)
-                uniform[row] = torch.rand(
-                    logits.shape[1], generator=generator, device=logits.device
-                )
+                uniform[row] = self._seeded_uniform(request, logits)
         return uniform.clamp_(min=_MIN_UNIFORM).log_().neg_()
+
+    def _seeded_uniform(self, request: Request, logits: torch.Tensor) -> torch.Tensor:
+        """One row of uniforms over the vocabulary from the request's own generator."""
+        generator = self._generator(request, logits.device)
+        states = self._states_before_draws.setdefault(request.request_id, [])
+        states.append(generator.get_state())
+        return torch.rand(logits.shape[1], generator=generator, device=logits.device)
 
     def _generator(self, request: Request, device: torch.device) -> torch.Generator:
         generator = self._generators.get(request.request_id)

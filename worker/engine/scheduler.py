@@ -2,10 +2,13 @@
 
 One rule: each step a request is given `min(num_tokens - num_computed_tokens, budget)`
 tokens. That covers chunked prefill, prefix-cache hits, decode and recompute after
-preemption. Running requests go first, in (lane, priority, arrival) order, interactive
-requests before batch lines; when blocks run out the worst running request (a batch line
-while any runs) is preempted by recompute. Waiting requests are then admitted in strict
-(lane, priority, arrival) order while the token budget and `max_num_seqs` allow.
+preemption. A decoding request may carry draft tokens (n-gram speculation): its known
+tokens then grow by the drafts for that step, and after verification `num_computed_tokens`
+is set back to what was kept and the blocks past it are freed. Running requests go first,
+in (lane, priority, arrival) order, interactive requests before batch lines; when blocks
+run out the worst running request (a batch line while any runs) is preempted by
+recompute. Waiting requests are then admitted in strict (lane, priority, arrival) order
+while the token budget and `max_num_seqs` allow.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from worker.engine.block_manager import BlockManager, cdiv
+from worker.engine.ngram import NgramProposer, can_speculate
 from worker.engine.outputs import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from worker.engine.request import Request, RequestStatus
 
@@ -26,6 +30,19 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 1024
     max_model_len: int = 8192
     enable_chunked_prefill: bool = True
+    # Draft tokens per decode step from n-gram prompt lookup (0: no speculation).
+    num_speculative_tokens: int = 0
+    speculative_max_ngram: int = 3
+
+
+@dataclass
+class SpeculationStats:
+    """Counters since start: drafts proposed and kept, decode steps and the tokens they gave."""
+
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_decode_steps: int = 0
+    num_decode_tokens: int = 0
 
 
 class Scheduler:
@@ -41,6 +58,12 @@ class Scheduler:
         self._seq: dict[str, int] = {}
         self._next_seq = 0
         self._finished_ids: list[str] = []
+        self.proposer: NgramProposer | None = None
+        if config.num_speculative_tokens > 0:
+            self.proposer = NgramProposer(
+                config.num_speculative_tokens, config.speculative_max_ngram
+            )
+        self.spec_stats = SpeculationStats()
 
     # ---- queue management ----------------------------------------------------------------
 
@@ -99,6 +122,8 @@ class Scheduler:
         self._remove(self.running, request)
         self._remove(self.waiting, request)
         self.block_manager.free(request_id)
+        if self.proposer is not None:
+            self.proposer.release(request_id)
         self._seq.pop(request_id, None)
         self._finished_ids.append(request_id)
 
@@ -131,8 +156,8 @@ class Scheduler:
         budget = self._schedule_running(budget, chunks, preempted_ids)
         if not preempted_ids:
             self._schedule_waiting(budget, chunks)
-        decodes = [chunk for chunk in chunks if chunk.num_tokens == 1]
-        prefills = [chunk for chunk in chunks if chunk.num_tokens != 1]
+        decodes = [chunk for chunk in chunks if chunk.is_decode]
+        prefills = [chunk for chunk in chunks if not chunk.is_decode]
         finished_ids, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(
             chunks=decodes + prefills,
@@ -151,6 +176,15 @@ class Scheduler:
                 continue
             num_new = self._num_new_tokens(request, budget)
             if num_new == 0:
+                index += 1
+                continue
+            draft_token_ids = self._propose(request, num_new, budget)
+            # Drafts only where their blocks are free: never preempt anyone for a guess.
+            if draft_token_ids and self.block_manager.allocate_slots(
+                request, num_new + len(draft_token_ids)
+            ):
+                chunks.append(self._make_chunk(request, num_new, draft_token_ids))
+                budget -= num_new + len(draft_token_ids)
                 index += 1
                 continue
             while not self.block_manager.allocate_slots(request, num_new):
@@ -200,16 +234,33 @@ class Scheduler:
             return 0
         return num_new
 
-    def _make_chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+    def _propose(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """Draft tokens for a decoding request, no more than it may still generate."""
+        if self.proposer is None or num_new != 1 or not can_speculate(request):
+            return []
+        if request.num_tokens - request.num_computed_tokens != 1:
+            return []
+        room = min(
+            budget - 1,
+            request.max_tokens - request.num_output_tokens - 1,
+            self.config.max_model_len - request.num_tokens - 1,
+        )
+        return self.proposer.propose(request, room)
+
+    def _make_chunk(
+        self, request: Request, num_new: int, draft_token_ids: list[int] | None = None
+    ) -> ScheduledChunk:
         if request.first_scheduled_time is None:
             request.first_scheduled_time = time.monotonic()
         start = request.num_computed_tokens
+        draft_token_ids = draft_token_ids or []
         return ScheduledChunk(
             request=request,
             start_position=start,
-            num_tokens=num_new,
+            num_tokens=num_new + len(draft_token_ids),
             block_ids=self.block_manager.get_block_ids(request.request_id),
             is_sampling=start + num_new == request.num_tokens,
+            draft_token_ids=draft_token_ids,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -232,10 +283,12 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[Request]:
-        """Advance computed counts, cache newly full blocks, append sampled tokens.
+        """Advance computed counts, append sampled tokens, cache newly full blocks.
 
-        Returns the requests that received a token, in chunk order. Stop conditions are the
-        engine's job (it calls `finish_request`).
+        Rejected drafts are rolled back: their positions do not count as computed, their
+        blocks are freed, and no block holding them is ever hashed. Returns the requests that
+        received tokens, in chunk order. Stop conditions are the engine's job (it calls
+        `finish_request`, and drops tokens after a stop).
         """
         updated: list[Request] = []
         for chunk in scheduler_output.chunks:
@@ -244,18 +297,30 @@ class Scheduler:
                 continue
             if request.status is not RequestStatus.RUNNING:
                 continue
-            request.num_computed_tokens += chunk.num_tokens
+            sampled = runner_output.sampled.get(request.request_id) if chunk.is_sampling else None
+            num_kept = len(sampled) - 1 if sampled else 0
+            num_rejected = len(chunk.draft_token_ids) - num_kept
+            request.num_computed_tokens += chunk.num_tokens - num_rejected
+            if sampled:
+                request.output_token_ids.extend(s.token_id for s in sampled)
+                self._count_decode(chunk, len(sampled))
+            if chunk.draft_token_ids:
+                self.block_manager.free_tail(request.request_id, request.num_tokens)
             self.block_manager.cache_full_blocks(request, request.num_computed_tokens)
-            if not chunk.is_sampling:
-                continue
-            sampled = runner_output.sampled.get(request.request_id)
-            if sampled is None:
-                continue
-            request.append_output_token(sampled.token_id)
-            if request.first_token_time is None:
-                request.first_token_time = time.monotonic()
-            updated.append(request)
+            if sampled:
+                if request.first_token_time is None:
+                    request.first_token_time = time.monotonic()
+                updated.append(request)
         return updated
+
+    def _count_decode(self, chunk: ScheduledChunk, num_tokens: int) -> None:
+        if not chunk.is_decode:
+            return
+        stats = self.spec_stats
+        stats.num_draft_tokens += len(chunk.draft_token_ids)
+        stats.num_accepted_tokens += num_tokens - 1
+        stats.num_decode_steps += 1
+        stats.num_decode_tokens += num_tokens
 
     # ---- helpers -------------------------------------------------------------------------
 

@@ -1,0 +1,114 @@
+"""N-gram prompt lookup: draft tokens for speculative decoding without a second model.
+
+Pure Python, never imports torch (the scheduler calls it). For a decoding request, the last
+`n` tokens of prompt + output are looked up earlier in the same sequence (the longest match
+up to `max_ngram`, at least `min_ngram`, the most recent on ties) and the up to
+`num_draft_tokens` tokens that followed that occurrence become the draft. Quoting, editing
+and code completion repeat long spans of the prompt, so such drafts are often right; the
+model verifies them all in one forward (see `model_runner` and `accept_drafts`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from worker.engine.request import Request
+
+# Earlier occurrences of the last token examined per proposal (most recent first): bounds a
+# step's cost on long sequences dominated by a few frequent tokens.
+_MAX_CANDIDATES = 64
+
+
+@dataclass
+class _TokenIndex:
+    """Positions of each token id in a request's sequence, kept up to date incrementally."""
+
+    positions: dict[int, list[int]] = field(default_factory=dict)
+    num_indexed: int = 0
+
+
+class NgramProposer:
+    """Proposes draft tokens per request from its own prompt + output (prompt lookup)."""
+
+    def __init__(self, num_draft_tokens: int, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        if num_draft_tokens < 0 or not 1 <= min_ngram <= max_ngram:
+            raise ValueError("need num_draft_tokens >= 0 and 1 <= min_ngram <= max_ngram")
+        self.num_draft_tokens = num_draft_tokens
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+        self._indexes: dict[str, _TokenIndex] = {}
+
+    def propose(self, request: Request, max_num_tokens: int) -> list[int]:
+        """Up to `min(num_draft_tokens, max_num_tokens)` tokens likely to follow the request."""
+        limit = min(self.num_draft_tokens, max_num_tokens)
+        if limit <= 0:
+            return []
+        tokens = request.all_token_ids
+        index = self._update_index(request.request_id, tokens)
+        start = self._best_match(tokens, index.positions.get(tokens[-1], ()))
+        if start is None:
+            return []
+        return tokens[start : start + limit]
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished or aborted request's index."""
+        self._indexes.pop(request_id, None)
+
+    def _update_index(self, request_id: str, tokens: list[int]) -> _TokenIndex:
+        """Index every position but the last (an occurrence must be followed by a token)."""
+        index = self._indexes.setdefault(request_id, _TokenIndex())
+        for position in range(index.num_indexed, len(tokens) - 1):
+            index.positions.setdefault(tokens[position], []).append(position)
+        index.num_indexed = max(index.num_indexed, len(tokens) - 1)
+        return index
+
+    def _best_match(self, tokens: list[int], positions: list[int] | tuple[()]) -> int | None:
+        """Start of the draft after the earlier occurrence with the longest suffix match."""
+        last = len(tokens) - 1
+        best_length, best_start = 0, None
+        for position in reversed(positions[-_MAX_CANDIDATES:]):
+            length = 1
+            while (
+                length < self.max_ngram
+                and position - length >= 0
+                and tokens[position - length] == tokens[last - length]
+            ):
+                length += 1
+            if length > best_length:
+                best_length, best_start = length, position + 1
+                if length == self.max_ngram:
+                    break
+        return best_start if best_length >= self.min_ngram else None
+
+
+def can_speculate(request: Request) -> bool:
+    """Whether the sampler may verify drafts for this request now.
+
+    Verification samples every draft position with the same processing as a plain decode
+    step, so that processing must not depend on the tokens generated so far: penalties
+    (which count them) and an active min_tokens mask rule speculation out. Requests with a
+    per-token constraint (a grammar) are expected to be excluded here too.
+    """
+    params = request.sampling_params
+    return (
+        params.repetition_penalty == 1.0
+        and params.presence_penalty == 0.0
+        and params.frequency_penalty == 0.0
+        and request.num_output_tokens >= params.min_tokens
+    )
+
+
+def accept_drafts(draft_token_ids: list[int], sampled_token_ids: list[int]) -> int:
+    """How many drafts are kept: the longest prefix equal to the tokens sampled before them.
+
+    `sampled_token_ids[i]` is the token sampled at draft position i (from the logits of the
+    position before it), so draft i stands only if every earlier draft stood and it equals
+    what the model itself picked there. The request then gets `accepted + 1` tokens: the kept
+    drafts and the token sampled after the last of them (a correction or a bonus).
+    """
+    accepted = 0
+    for draft, sampled in zip(draft_token_ids, sampled_token_ids, strict=False):
+        if draft != sampled:
+            break
+        accepted += 1
+    return accepted
