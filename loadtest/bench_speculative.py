@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +31,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP
 
 import torch
 
+from loadtest.bench_engine import random_prompts
 from shared.model_files import DEFAULT_MODEL_NAME
 from worker.engine.config import EngineConfig
 from worker.engine.offline import LLM, GenerationResult
@@ -91,12 +91,6 @@ def quote_prompts(llm: LLM) -> list[list[int]]:
         for instruction in INSTRUCTIONS[:2]
     ]
     return [llm.engine.tokenize(messages=m) for m in messages]
-
-
-def random_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    # Skip the low ids: SmolLM2's special tokens live there.
-    return [[rng.randrange(100, vocab_size) for _ in range(length)] for _ in range(count)]
 
 
 def run_one_at_a_time(llm: LLM, prompts: list[list[int]], params: SamplingParams, tally: Tally):
