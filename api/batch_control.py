@@ -20,8 +20,8 @@ from api.services import Services
 from shared.queue import deserialize_job, serialize_job
 
 log = logging.getLogger(__name__)
-JOB_TIMEOUT_S = 120.0
-LEASE_S = 150.0  # longer than any one step; a dead process's step restarts after this
+JOB_TIMEOUT_S = 60.0
+LEASE_S = 75.0  # longer than any one step; a dead process's step restarts after this
 RETRY_DELAY_S = 2.0
 
 

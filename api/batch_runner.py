@@ -28,7 +28,7 @@ from shared.contracts import FINAL_STATUSES, JobRecord
 log = logging.getLogger(__name__)
 EXPAND_CHUNK = 250  # lines submitted per expansion job (each job stays short)
 COLLECT_CHUNK = 500  # job records read per MGET
-LOCK_S = 60  # a collection pass holds the batch's lock at most this long
+LOCK_S = 20  # a collection pass holds the batch's lock at most this long (a dead one too)
 
 
 class ControlQueue:
