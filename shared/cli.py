@@ -2,6 +2,8 @@
 
     ladle up [--workers N] [--port P] [--model M]   Redis (found or started), API, N workers,
                                                     restarted when they crash
+    ladle up --worker [NAME=]MODEL[:COUNT] ...      workers for several models
+    ladle batch submit FILE.jsonl | status ID | cancel ID    the Batch API from a shell
     ladle api [ARGS...]                             python -m api ARGS
     ladle worker [ARGS...]                          python -m worker ARGS
     ladle generate [ARGS...]                        python -m worker.engine.cli ARGS (no Redis)
@@ -16,7 +18,8 @@ import argparse
 import os
 import sys
 
-from shared.launcher import UpOptions, run_up
+from shared import batch_cli
+from shared.launcher import UpOptions, WorkerGroup, run_up
 
 # Subcommands that exec a module with the rest of the command line.
 PASSTHROUGH = {
@@ -34,6 +37,13 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def _worker_group(text: str) -> WorkerGroup:
+    try:
+        return WorkerGroup.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,6 +66,17 @@ def build_parser() -> argparse.ArgumentParser:
         "which stops everything gracefully (twice: at once).",
     )
     up.add_argument("--workers", type=_positive_int, default=1, help="worker processes (1)")
+    up.add_argument(
+        "--worker",
+        dest="worker_groups",
+        action="append",
+        type=_worker_group,
+        default=[],
+        metavar="[NAME=]MODEL[:COUNT]",
+        help="COUNT workers (1) for MODEL (a name, HF directory or .gguf), served as NAME "
+        "(default: its file or directory name); repeat for several models; replaces "
+        "--workers. Without --model, the first one is the API's default model",
+    )
     up.add_argument("--host", help="API bind address (LLM_HOST, default 127.0.0.1)")
     up.add_argument("--port", type=int, help="API port (LLM_PORT, default 8000)")
     up.add_argument("--model", help="model name, HF directory or .gguf file (LLM_MODEL_NAME)")
@@ -80,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="wait S seconds for children to stop before killing them "
         "(LLM_SHUTDOWN_TIMEOUT_S + 15: the workers' drain, then hand-back)",
     )
+    batch_cli.add_parser(commands)
     for name, (_module, summary) in PASSTHROUGH.items():
         commands.add_parser(
             name,
@@ -93,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
 def options_from_args(args: argparse.Namespace) -> UpOptions:
     return UpOptions(
         num_workers=args.workers,
+        worker_groups=args.worker_groups,
         host=args.host,
         port=args.port,
         model=args.model,
@@ -113,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in PASSTHROUGH:
         exec_module(PASSTHROUGH[argv[0]][0], argv[1:])
     args = build_parser().parse_args(argv)
+    if args.command == "batch":
+        return batch_cli.run(args)
     return run_up(options_from_args(args))
 
 

@@ -17,7 +17,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import start_http_server
 
@@ -40,11 +40,33 @@ logger = logging.getLogger("ladle.launcher")
 SHUTDOWN_MARGIN_S = 15.0
 
 
+@dataclass(frozen=True)
+class WorkerGroup:
+    """`--worker [NAME=]MODEL[:COUNT]`: COUNT workers loading MODEL, served as NAME (default:
+    the model's file or directory name)."""
+
+    model: str
+    count: int = 1
+    served_name: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> WorkerGroup:
+        served_name, _, rest = text.rpartition("=") if "=" in text else (None, "", text)
+        model, count = rest, 1
+        head, _, tail = rest.rpartition(":")
+        if head and tail.isdigit():
+            model, count = head, int(tail)
+        if not model or count < 1 or served_name == "":
+            raise ValueError(f"expected [NAME=]MODEL[:COUNT] with COUNT >= 1, got {text!r}")
+        return cls(model, count, served_name)
+
+
 @dataclass
 class UpOptions:
     """What `ladle up` was asked for; None means "from the LLM_* settings"."""
 
     num_workers: int = 1
+    worker_groups: list[WorkerGroup] = field(default_factory=list)
     host: str | None = None
     port: int | None = None
     model: str | None = None
@@ -55,11 +77,14 @@ class UpOptions:
 
 
 def settings_for(options: UpOptions) -> Settings:
-    """The settings the children will see: LLM_* variables and .env, then the flags."""
+    """The settings the children will see: LLM_* variables and .env, then the flags. With
+    `--worker` groups and no `--model`, the API's default model is the first group's."""
+    first = options.worker_groups[0] if options.worker_groups else None
     overrides = {
         "host": options.host,
         "port": options.port,
-        "model_name": options.model,
+        "model_name": options.model or (first.model if first else None),
+        "served_model_name": first.served_name if first and not options.model else None,
         "redis_url": options.redis_url,
     }
     return Settings(**{k: v for k, v in overrides.items() if v is not None})
@@ -70,8 +95,10 @@ def child_specs(
     num_workers: int,
     base_env: dict[str, str],
     worker_id_base: str | None = None,
+    groups: list[WorkerGroup] | None = None,
 ) -> list[ChildSpec]:
-    """The API and `num_workers` workers, each with distinct worker id and metrics port."""
+    """The API and the workers (`num_workers` of the default model, or the `groups`), each
+    with distinct worker id and metrics port."""
     env = dict(base_env)
     env.update(
         {
@@ -81,11 +108,19 @@ def child_specs(
             "LLM_MODEL_NAME": settings.model_name,
         }
     )
+    if settings.served_model_name:
+        env["LLM_SERVED_MODEL_NAME"] = settings.served_model_name
     specs = [ChildSpec("api", [sys.executable, "-m", "api"], env)]
     id_base = worker_id_base or settings.worker_id or f"{socket.gethostname()}-{os.getpid()}"
-    threads = _threads_per_worker(num_workers, base_env)
-    for i in range(num_workers):
+    models = _worker_models(settings, num_workers, groups)
+    threads = _threads_per_worker(len(models), base_env)
+    for i, group in enumerate(models):
         worker_env = dict(env)
+        if groups:  # each group's own model and name
+            worker_env["LLM_MODEL_NAME"] = group.model
+            worker_env.pop("LLM_SERVED_MODEL_NAME", None)
+            if group.served_name:
+                worker_env["LLM_SERVED_MODEL_NAME"] = group.served_name
         worker_env["LLM_WORKER_ID"] = f"{id_base}-{i}"
         port = settings.worker_metrics_port
         worker_env["LLM_WORKER_METRICS_PORT"] = str(port + i if port else 0)
@@ -93,6 +128,15 @@ def child_specs(
             worker_env["LLM_NUM_THREADS"] = str(threads)
         specs.append(ChildSpec(f"worker-{i}", [sys.executable, "-m", "worker"], worker_env))
     return specs
+
+
+def _worker_models(
+    settings: Settings, num_workers: int, groups: list[WorkerGroup] | None
+) -> list[WorkerGroup]:
+    """One entry per worker process."""
+    if not groups:
+        return [WorkerGroup(settings.model_name)] * num_workers
+    return [group for group in groups for _ in range(group.count)]
 
 
 def _threads_per_worker(num_workers: int, env: dict[str, str]) -> int | None:
@@ -214,8 +258,11 @@ def run_up(options: UpOptions) -> int:
     if shutdown_s is None:
         shutdown_s = settings.shutdown_timeout_s + SHUTDOWN_MARGIN_S
     metrics = SupervisorMetrics()
+    specs = child_specs(
+        settings, options.num_workers, dict(os.environ), groups=options.worker_groups
+    )
     sup = Supervisor(
-        child_specs(settings, options.num_workers, dict(os.environ)),
+        specs,
         RestartPolicy.from_settings(settings),
         on_restart=lambda name: metrics.restarts.labels(child=name).inc(),
     )
@@ -224,7 +271,7 @@ def run_up(options: UpOptions) -> int:
     logger.info(
         "starting the API on %s and %d worker(s); Redis (%s) at %s",
         base_url(settings),
-        options.num_workers,
+        len(specs) - 1,
         broker.kind,
         safe_url(broker.url),
     )

@@ -79,11 +79,12 @@ class Service:
     def start_api(self) -> None:
         self.api = self._spawn("api", "api", {})
 
-    def start_worker(self) -> int:
+    def start_worker(self, **settings: object) -> int:
+        """One more worker; `settings` (LLM_* without the prefix) on top of the service's."""
         index = len(self.workers)
-        self.workers.append(
-            self._spawn("worker", f"worker{index}", {"LLM_WORKER_ID": f"{self.prefix}-w{index}"})
-        )
+        extra = {f"LLM_{key.upper()}": str(value) for key, value in settings.items()}
+        extra["LLM_WORKER_ID"] = f"{self.prefix}-w{index}"
+        self.workers.append(self._spawn("worker", f"worker{index}", extra))
         return index
 
     def worker_id(self, index: int) -> str:

@@ -257,3 +257,12 @@ async def test_disconnect_cancels_job(stream: bool) -> None:
             await asyncio.sleep(0.02)
         assert await h.redis.exists(h.keys.cancelled(job_id))
         assert b'"status":"cancelled"' in raw
+
+
+@pytest.mark.parametrize(("asked", "ran"), [(-100_000, -5), (0, 0), (7, 7), (10**9, 20)])
+async def test_priority_is_clamped_to_the_configured_range(asked: int, ran: int) -> None:
+    async with harness(priority_min=-5, priority_max=20) as h:
+        body = {"model": "test-model", "prompt": "Hello", "priority": asked}
+        assert (await h.client.post("/v1/completions", json=body)).status_code == 200
+        payload = h.worker.payloads[0]
+        assert (payload.priority, payload.lane) == (ran, "interactive")

@@ -20,10 +20,10 @@ def _load(path: str) -> dict:
 
 def test_compose_services() -> None:
     services = _load("docker-compose.yml")["services"]
-    assert set(services) == {"redis", "api", "worker", "prometheus"}
+    assert set(services) == {"redis", "api", "worker", "worker-fp32", "prometheus"}
     assert services["redis"]["image"] == "redis:7"
     assert services["redis"]["command"][1:] == ["--appendonly", "yes", "--appendfsync", "everysec"]
-    for name in ("api", "worker"):
+    for name in ("api", "worker", "worker-fp32"):
         assert services[name]["build"]["dockerfile"] == "deploy/Dockerfile"
         assert services[name]["environment"]["LLM_REDIS_URL"] == "redis://redis:6379/0"
     assert services["api"]["command"] == ["python", "-m", "api"]
@@ -31,6 +31,10 @@ def test_compose_services() -> None:
     assert services["api"]["ports"] == ["${LLM_PORT:-8000}:8000"]
     assert services["worker"]["command"] == ["python", "-m", "worker"]
     assert services["worker"]["deploy"]["replicas"] == "${WORKERS:-1}"
+    # Two models in one deployment: the second worker service serves its own name.
+    fp32 = services["worker-fp32"]["environment"]
+    assert fp32["LLM_SERVED_MODEL_NAME"] == "SmolLM2-135M-Instruct-fp32"
+    assert fp32["LLM_DTYPE"] == "float32"
     # Every service comes back after a crash, like `ladle up`'s children (docs/reliability.md).
     assert {s.get("restart") for s in services.values()} == {"unless-stopped"}
     assert (
@@ -42,14 +46,14 @@ def test_compose_services() -> None:
 def test_compose_env_names_are_settings() -> None:
     services = _load("docker-compose.yml")["services"]
     fields = {f"LLM_{name.upper()}" for name in Settings.model_fields}
-    for name in ("api", "worker"):
+    for name in ("api", "worker", "worker-fp32"):
         assert set(services[name]["environment"]) <= fields
 
 
 def test_prometheus_scrapes_api_and_workers() -> None:
     jobs = {job["job_name"]: job for job in _load("deploy/prometheus.yml")["scrape_configs"]}
     assert jobs["ladle-api"]["static_configs"] == [{"targets": ["api:8000"]}]
-    assert jobs["ladle-worker"]["dns_sd_configs"][0]["names"] == ["worker"]
+    assert jobs["ladle-worker"]["dns_sd_configs"][0]["names"] == ["worker", "worker-fp32"]
     assert jobs["ladle-worker"]["dns_sd_configs"][0]["port"] == 9101
 
 

@@ -277,8 +277,8 @@ def test_up_runs_until_sigterm(
     seen_specs: list[launcher.ChildSpec] = []
     real_specs = launcher.child_specs
 
-    def specs(settings: Settings, num_workers: int, env: dict[str, str]) -> list:
-        real = real_specs(settings, num_workers, env)
+    def specs(settings: Settings, num_workers: int, env: dict[str, str], **kw: object) -> list:
+        real = real_specs(settings, num_workers, env, **kw)
         seen_specs.extend(real)
         return [_py("api", FAKE_API, real[0].env)] + [_py(s.name, SLEEPER, s.env) for s in real[1:]]
 
@@ -306,3 +306,40 @@ def test_python_dash_m_shared_cli_help() -> None:
     )
     assert result.returncode == 0
     assert "--workers" in result.stdout and "embedded broker" in result.stdout
+
+
+# ---- several models ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "group"),
+    [
+        ("m.gguf", launcher.WorkerGroup("m.gguf", 1)),
+        ("/models/a:3", launcher.WorkerGroup("/models/a", 3)),
+        ("fp32=SmolLM2-135M-Instruct:2", launcher.WorkerGroup("SmolLM2-135M-Instruct", 2, "fp32")),
+        ("c:/x", launcher.WorkerGroup("c:/x", 1)),
+    ],
+)
+def test_worker_group_parses(text: str, group: launcher.WorkerGroup) -> None:
+    assert launcher.WorkerGroup.parse(text) == group
+
+
+@pytest.mark.parametrize("text", ["m:0", "=m", ""])
+def test_worker_group_rejects(text: str) -> None:
+    with pytest.raises(ValueError):
+        launcher.WorkerGroup.parse(text)
+
+
+def test_worker_groups_start_workers_per_model() -> None:
+    groups = [launcher.WorkerGroup("a.gguf", 2), launcher.WorkerGroup("b", 1, "bee")]
+    options = launcher.UpOptions(worker_groups=groups)
+    settings = launcher.settings_for(options)
+    assert settings.model_name == "a.gguf" and settings.model_id == "a"
+    env = {"LLM_SERVED_MODEL_NAME": "ignored"}
+    specs = launcher.child_specs(settings, 1, env, worker_id_base="b", groups=groups)
+    assert [s.name for s in specs] == ["api", "worker-0", "worker-1", "worker-2"]
+    assert [s.env["LLM_MODEL_NAME"] for s in specs] == ["a.gguf", "a.gguf", "a.gguf", "b"]
+    assert [s.env.get("LLM_SERVED_MODEL_NAME") for s in specs[1:]] == [None, None, "bee"]
+    assert [s.env["LLM_WORKER_ID"] for s in specs[1:]] == ["b-0", "b-1", "b-2"]
+    args = cli.build_parser().parse_args(["up", "--worker", "a.gguf:2", "--worker", "bee=b"])
+    assert cli.options_from_args(args).worker_groups == groups

@@ -24,6 +24,7 @@ def make_request(
     priority: int = 0,
     max_tokens: int = 4,
     first_token: int = 0,
+    lane: str = "interactive",
 ) -> Request:
     return Request(
         request_id,
@@ -31,6 +32,7 @@ def make_request(
         SamplingParams(temperature=0.0),
         max_tokens=max_tokens,
         priority=priority,
+        lane=lane,
         arrival_time=arrival,
     )
 
@@ -221,6 +223,31 @@ def test_preemption_picks_worst_priority_not_latest_arrival() -> None:
     assert output.preempted_request_ids == ["lo"]
     assert shape(output) == [("hi", 8, 1, True)]
     assert scheduler.block_manager.get_block_ids("hi") == [0, 1, 3]
+
+
+def test_batch_lines_are_preempted_before_any_interactive_request() -> None:
+    scheduler = make_scheduler(num_blocks=4)
+    line = make_request("line", 7, arrival=0, priority=-50, max_tokens=3, lane="batch")
+    chat = make_request("chat", 7, arrival=1, priority=10, max_tokens=4, first_token=100)
+    scheduler.add_request(line)
+    scheduler.add_request(chat)
+    # The interactive request is scheduled first despite a worse priority and a later arrival.
+    assert shape(step(scheduler)[0]) == [("chat", 0, 7, True), ("line", 0, 7, True)]
+    step(scheduler)
+    output, _ = step(scheduler)  # both need a third block: the batch line gives way
+    assert output.preempted_request_ids == ["line"]
+    assert shape(output) == [("chat", 8, 1, True)]
+
+
+def test_interactive_requests_are_admitted_before_waiting_batch_lines() -> None:
+    scheduler = make_scheduler(max_num_seqs=1)
+    scheduler.add_request(make_request("line0", 2, arrival=0, max_tokens=1, lane="batch"))
+    scheduler.add_request(
+        make_request("line1", 2, arrival=1, priority=-9, max_tokens=1, lane="batch")
+    )
+    scheduler.add_request(make_request("chat", 2, arrival=5, priority=100, max_tokens=1))
+    order = [step(scheduler)[0].chunks[0].request.request_id for _ in range(3)]
+    assert order == ["chat", "line1", "line0"]
 
 
 def test_priority_orders_waiting_queue_fcfs_within_priority() -> None:

@@ -57,3 +57,47 @@ def test_a_wake_up_ends_the_wait_between_polls(monkeypatch: pytest.MonkeyPatch) 
         assert not service.wake.is_set()  # cleared for the next wait
 
     asyncio.run(scenario())
+
+
+class _Stats:
+    def __init__(self, num_waiting: int) -> None:
+        self.num_waiting = num_waiting
+
+
+class _Engine:
+    def __init__(self) -> None:
+        self.num_waiting = 0
+
+    def stats(self) -> _Stats:
+        return _Stats(self.num_waiting)
+
+
+def test_batch_lines_take_only_spare_room() -> None:
+    from worker.service import WorkerService
+
+    settings = Settings(max_batch_size=8, worker_max_queued=2, batch_reserved_seqs=3)
+    service = WorkerService.__new__(WorkerService)  # admission needs no engine thread
+    service.settings, service.engine, service.draining = settings, _Engine(), False
+    service.jobs, service.num_pending = {f"j{i}": object() for i in range(2)}, 0
+    assert service.admission_capacity(0, "interactive") == 2  # worker_max_queued
+    assert service.admission_capacity(0, "batch") == 2  # 8 - 3 reserved - 2 running - ...
+    assert service.admission_capacity(1, "batch") == 1  # ... - 1 being started
+    service.jobs.update({f"k{i}": object() for i in range(3)})
+    assert service.admission_capacity(0, "batch") == 0  # only the reserved slots are left
+    assert service.admission_capacity(0, "interactive") == 2
+    service.jobs = {}
+    service.engine.num_waiting = 1  # anything waiting for the engine: no batch line
+    assert service.admission_capacity(0, "batch") == 0
+    assert service.admission_capacity(0, "interactive") == 1
+
+
+def test_each_lane_polls_its_models_own_queue() -> None:
+    async def scenario() -> list[str]:
+        pool = ArqRedis(connection_pool=fakeredis.FakeAsyncRedis().connection_pool)
+        settings = Settings(key_prefix="p", served_model_name="m")
+        return [
+            LadleWorker(_Service(), settings, pool, lane).queue_name  # type: ignore[arg-type]
+            for lane in ("interactive", "batch")
+        ]
+
+    assert asyncio.run(scenario()) == ["p:queue:m", "p:queue:m:batch"]
