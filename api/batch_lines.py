@@ -103,6 +103,7 @@ async def submit_line(
             deadline_s=None,
             job_id=job_id,
             lane="batch",
+            priority_range=batch.priority_range,
         )
     except APIError as exc:
         if exc.status >= 500:

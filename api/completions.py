@@ -57,6 +57,7 @@ async def prepare_job(
     deadline_s: float | None,
     job_id: str | None = None,
     lane: Lane = "interactive",
+    priority_range: tuple[int, int] | None = None,
 ) -> JobPayload:
     """Limits, model, prompt length: everything checked before a job exists.
 
@@ -80,7 +81,7 @@ async def prepare_job(
         deadline_s=deadline_s,
         request_id=request_id_var.get(),
         api_key_id=api_key_id,
-        priority_range=(settings.priority_min, settings.priority_max),
+        priority_range=priority_range or (settings.priority_min, settings.priority_max),
         lane=lane,
     )
 
@@ -115,7 +116,11 @@ async def complete(
     """Serve `/v1/completions` or `/v1/chat/completions`."""
     settings = services.settings
     payload = await prepare_job(
-        services, body, api_key_id=api_key_id, deadline_s=settings.request_timeout_s
+        services,
+        body,
+        api_key_id=api_key_id,
+        deadline_s=settings.request_timeout_s,
+        priority_range=allowed_priorities(request),
     )
     job_id_var.set(payload.id)
     deadline = time.monotonic() + settings.request_timeout_s
@@ -157,6 +162,12 @@ async def complete(
     finally:
         if not handed_over:
             services.relay.unsubscribe(sub)
+
+
+def allowed_priorities(request: Request) -> tuple[int, int] | None:
+    """The `priority` range of the caller's key (None: the settings' range)."""
+    quota = getattr(request.state, "quota", None)
+    return quota.policy.priority_range if quota is not None else None
 
 
 def _job_error(event: ErrorEvent, job_id: str) -> APIError:

@@ -9,6 +9,8 @@
     key = "sk-team-a-secret"     # or key_sha256 = "<64 hex>": the file then holds no secret
     requests_per_minute = 60
     tokens_per_minute = 40000
+    priority_min = -10           # the `priority` range its requests are clamped to
+    priority_max = 100           # (default LLM_PRIORITY_MIN..LLM_PRIORITY_MAX; lower first)
 
 Keys from `LLM_API_KEYS` get the file's defaults (else `LLM_RATE_LIMIT_*`). A per-key setting
 is one more optional field on `KeyLimits`, resolved in `KeyPolicy` like the two limits.
@@ -51,6 +53,15 @@ class KeyLimits(BaseModel):
 
     requests_per_minute: int | None = Field(None, ge=0)
     tokens_per_minute: int | None = Field(None, ge=0)
+    priority_min: int | None = None
+    priority_max: int | None = None
+
+    @model_validator(mode="after")
+    def _priority_range(self) -> KeyLimits:
+        low, high = self.priority_min, self.priority_max
+        if low is not None and high is not None and low > high:
+            raise ValueError("priority_min must not be above priority_max")
+        return self
 
 
 class KeyEntry(KeyLimits):
@@ -82,6 +93,13 @@ class KeyPolicy:
     key_id: str | None
     requests_per_minute: int
     tokens_per_minute: int
+    priority_min: int = 0
+    priority_max: int = 0
+
+    @property
+    def priority_range(self) -> tuple[int, int]:
+        """Where the key's `priority` values are clamped (a crossed pair: the max wins)."""
+        return self.priority_min, max(self.priority_min, self.priority_max)
 
     @property
     def bucket(self) -> str:
@@ -97,7 +115,7 @@ class KeyPolicy:
             value = getattr(own, field)
             return value if value is not None else (getattr(base, field) or 0)
 
-        return cls(name, key_id, pick("requests_per_minute"), pick("tokens_per_minute"))
+        return cls(name, key_id, *(pick(field) for field in KeyLimits.model_fields))
 
 
 class KeyRing:
@@ -139,11 +157,11 @@ def build_keyring(settings: Settings, file: KeysFile | None) -> KeyRing:
     env_defaults = KeyLimits(
         requests_per_minute=settings.rate_limit_requests_per_minute,
         tokens_per_minute=settings.rate_limit_tokens_per_minute,
+        priority_min=settings.priority_min,
+        priority_max=settings.priority_max,
     )
     base = KeyPolicy.resolve("defaults", None, file or KeyLimits(), env_defaults)
-    defaults = KeyLimits(
-        requests_per_minute=base.requests_per_minute, tokens_per_minute=base.tokens_per_minute
-    )
+    defaults = KeyLimits(**{field: getattr(base, field) for field in KeyLimits.model_fields})
     policies: dict[str, KeyPolicy] = {}
     for key in settings.api_keys:
         key_id = api_key_id(key)

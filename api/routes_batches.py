@@ -9,7 +9,7 @@ from fastapi import APIRouter, Depends, Query, Request
 
 from api.auth import require_api_key
 from api.batch_runner import ControlQueue
-from api.completions import parse_body
+from api.completions import allowed_priorities, parse_body
 from api.errors import APIError
 from api.files import list_object
 from api.protocol import BatchCreateRequest, openapi_body
@@ -41,6 +41,7 @@ async def create_batch(
         expires_at=now + COMPLETION_WINDOWS[body.completion_window],
         metadata=body.metadata,
         owner=owner,
+        priority_range=allowed_priorities(request),
     )
     await services.batches.create(record)
     await ControlQueue(services).expand(record.id, 0)

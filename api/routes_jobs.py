@@ -10,7 +10,13 @@ from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from api.auth import require_api_key
-from api.completions import parse_body, parse_dict, prepare_job, response_context
+from api.completions import (
+    allowed_priorities,
+    parse_body,
+    parse_dict,
+    prepare_job,
+    response_context,
+)
 from api.errors import APIError
 from api.formatting import build_response, usage_dict
 from api.idempotency import fingerprint, idempotency_key
@@ -69,7 +75,13 @@ async def create_job(
     envelope = await parse_body(request, JobCreateRequest)
     model = CompletionRequest if envelope.url == "/v1/completions" else ChatCompletionRequest
     body = parse_dict({**envelope.body, "stream": False}, model)  # jobs are polled
-    payload = await prepare_job(services, body, api_key_id=api_key_id, deadline_s=None)
+    payload = await prepare_job(
+        services,
+        body,
+        api_key_id=api_key_id,
+        deadline_s=None,
+        priority_range=allowed_priorities(request),
+    )
     job_id_var.set(payload.id)
     if key is None:
         record = await services.jobs.submit(payload, envelope.url, request.state.quota)

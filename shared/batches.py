@@ -119,6 +119,7 @@ class BatchRecord(BaseModel):
     num_expanded: int = Field(0, exclude=True)
     collect_seq: int = Field(0, exclude=True)
     lines_stopped: bool = Field(False, exclude=True)
+    priority_range: tuple[int, int] | None = Field(None, exclude=True)  # the owner's key's
 
     @property
     def is_final(self) -> bool:

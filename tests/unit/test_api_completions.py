@@ -266,3 +266,21 @@ async def test_priority_is_clamped_to_the_configured_range(asked: int, ran: int)
         assert (await h.client.post("/v1/completions", json=body)).status_code == 200
         payload = h.worker.payloads[0]
         assert (payload.priority, payload.lane) == (ran, "interactive")
+
+
+async def test_each_key_clamps_priority_to_its_own_range(tmp_path) -> None:  # noqa: ANN001
+    keys = tmp_path / "keys.toml"
+    keys.write_text(
+        "priority_min = 0\npriority_max = 50\n"
+        '[keys.ops]\nkey = "sk-ops-0123456789"\npriority_min = -100\n'
+        '[keys.bulk]\nkey = "sk-bulk-0123456789"\npriority_min = 40\npriority_max = 60\n'
+    )
+    async with harness(api_keys_file=str(keys)) as h:
+        for key in ("sk-ops-0123456789", "sk-bulk-0123456789"):
+            for asked in (-1000, 1000):
+                body = {"model": "test-model", "prompt": "Hello", "priority": asked}
+                headers = {"Authorization": f"Bearer {key}"}
+                response = await h.client.post("/v1/completions", json=body, headers=headers)
+                assert response.status_code == 200
+        ran = [payload.priority for payload in h.worker.payloads]
+        assert ran == [-100, 50, 40, 60]  # ops: its own min, the file's max; bulk: its own

@@ -172,3 +172,8 @@ async def test_a_later_refusal_gives_the_reservation_back(tmp_path: Path) -> Non
         assert full.status_code == 429 and full.json()["error"]["code"] == "queue_full"
         peek = await h.client.get("/v1/models", headers=A)
         assert peek.headers["x-ratelimit-remaining-tokens"] == str(9 * COST)
+
+
+def test_a_crossed_priority_range_is_refused() -> None:
+    with pytest.raises(ValueError, match="priority_min must not be above priority_max"):
+        parse_keys_file('[keys.x]\nkey = "sk-secret-value"\npriority_min = 5\npriority_max = 1')
