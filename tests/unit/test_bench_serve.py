@@ -203,14 +203,54 @@ def test_vs_vllm_report_and_env(tmp_path: Path) -> None:
         "max_seconds": 10.0,
         "vllm_version": "0.32.0",
         "vllm_config": "bf16",
+        "ladle_env": {"LLM_QUANTIZATION": "int4"},
         "load_before": 1.0,
         "load_after": 2.0,
     }
     text = report_markdown([fast], [slow], meta)
     assert "| 4 | 3.0 | 1.5 | 0.50 | 400.0 | 400.0 | 200 | 200 | 1.0 | 1.0 |" in text
+    assert "{'LLM_QUANTIZATION': 'int4'}" in text
     (tmp_path / "lib").mkdir()
     (tmp_path / "lib" / "libiomp5.so").write_text("")
     env = vllm_env(tmp_path, 3, "0-1", preload=True)
     assert env["VLLM_TARGET_DEVICE"] == "cpu" and env["VLLM_CPU_KVCACHE_SPACE"] == "3"
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
     assert str(tmp_path / "lib" / "libiomp5.so") in env["LD_PRELOAD"]
+
+
+def test_vs_vllm_ladle_env_flags() -> None:
+    from loadtest.vs_vllm import ladle_env
+
+    assert ladle_env(["LLM_QUANTIZATION=int4", "LLM_DECODE_THREADS=2"]) == {
+        "LLM_QUANTIZATION": "int4",
+        "LLM_DECODE_THREADS": "2",
+    }
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        ladle_env(["LLM_QUANTIZATION"])
+
+
+def test_single_stream_report_ratios_and_bounds() -> None:
+    from loadtest.single_stream import report_markdown
+
+    rows = [
+        {"engine": "Ladle int4", "decode_tokens_per_s": 30.0, "weight_bytes_per_token": 100e6},
+        {"engine": "llama.cpp 0.3", "decode_tokens_per_s": 60.0, "weight_bytes_per_token": 80e6},
+    ]
+    for row in rows:
+        row["memory_bound_tokens_per_s"] = 20e9 / row["weight_bytes_per_token"]
+    report = {
+        "rows": rows,
+        "cpu": {"model_name": "Some CPU", "flags": "avx2 avx512f"},
+        "threads": 1,
+        "load_before": (1.0, 1.0, 1.0),
+        "load_after": (2.0, 1.0, 1.0),
+        "read_bandwidth_gbs": 20.0,
+        "gemm_bf16": {1: {"tflops": 0.1, "bound_tokens_per_s": 400.0}, 64: {"tflops": 0.3}},
+        "prompt_len": 128,
+        "tokens": 128,
+        "gguf": "m.gguf",
+    }
+    text = report_markdown(report)
+    assert "| Ladle int4 | 100 MB | 30.0 | 200 | 15% | 0.50 |" in text
+    assert "| llama.cpp 0.3 | 80 MB | 60.0 | 250 | 24% | 1.00 |" in text
+    assert "Some CPU" in text and "`avx2 avx512f`" in text
