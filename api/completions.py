@@ -21,6 +21,7 @@ from api.protocol import URL_TO_ENDPOINT, ChatCompletionRequest, OpenAIRequest
 from api.relay import Subscription
 from api.services import Services
 from api.streaming import StreamInconsistent, StreamTranslator
+from api.structured import check_request, output_spec, with_tool_format
 from shared.contracts import DoneEvent, ErrorEvent, JobPayload, Lane, StreamEvent
 from shared.logging import job_id_var, request_id_var
 
@@ -59,12 +60,15 @@ async def prepare_job(
     lane: Lane = "interactive",
     priority_range: tuple[int, int] | None = None,
 ) -> JobPayload:
-    """Limits, model, prompt length: everything checked before a job exists.
+    """Limits, model, output constraints, prompt length: all checked before a job exists.
 
     A batch line (`lane="batch"`) may name a model whose workers are all away for now: it
     waits in that model's queue instead of failing."""
     settings = services.settings
     check_limits(body, settings)
+    check_request(body)
+    # Grammar checks take 0.5-7 ms for a new schema: off the event loop.
+    structured, tool_calls = await asyncio.to_thread(output_spec, body)
     model = await services.workers.resolve(
         body.model, settings.model_id, require_live=lane == "interactive"
     )
@@ -74,6 +78,8 @@ async def prepare_job(
     max_tokens = check_context(len(prompt_ids), body.max_tokens, model.max_model_len, param)
     return build_payload(
         body,
+        structured=structured,
+        tool_calls=with_tool_format(tool_calls, tokenizer),
         prompt_token_ids=prompt_ids,
         job_id=job_id or new_job_id(),
         model=model.name,
@@ -107,6 +113,7 @@ async def response_context(
         n=payload.sampling.n,
         echo_text=await echo_text(services, payload),
         include_usage=include_usage,
+        tool_calls=payload.tool_calls,
     )
 
 

@@ -120,7 +120,8 @@ def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
     param = error_param(loc)
     msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     message = f"{param}: {msg}" if param else msg
-    return APIError(400, message, param=param, code="invalid_parameter")
+    code = "unsupported_parameter" if first.get("type") == "unsupported_parameter" else None
+    return APIError(400, message, param=param, code=code or "invalid_parameter")
 
 
 async def _api_error(_: Request, exc: Exception) -> JSONResponse:

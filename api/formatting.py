@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from api.tool_calls import ToolCallParser, merge_deltas
 from shared.contracts import (
     ChoiceResult,
     DeltaEvent,
@@ -15,6 +16,7 @@ from shared.contracts import (
     RestartEvent,
     StreamEvent,
     TokenLogprob,
+    ToolCallSpec,
     Usage,
 )
 
@@ -30,6 +32,7 @@ class ResponseContext:
     n: int = 1
     echo_text: str | None = None
     include_usage: bool = False
+    tool_calls: ToolCallSpec | None = None  # chat: read tool calls out of the text
 
     @property
     def is_chat(self) -> bool:
@@ -85,7 +88,9 @@ def build_response(ctx: ResponseContext, choices: list[ChoiceResult], usage: Usa
         item: dict[str, Any] = {"index": choice.index, "finish_reason": choice.finish_reason}
         item["logprobs"] = format_logprobs(ctx, choice.logprobs, len(echo))
         if ctx.is_chat:
-            item["message"] = {"role": "assistant", "content": choice.text}
+            item["message"] = chat_message(ctx, choice.index, choice.text)
+            if "tool_calls" in item["message"] and choice.finish_reason == "stop":
+                item["finish_reason"] = "tool_calls"
         else:
             item["text"] = echo + choice.text
         out.append(item)
@@ -99,6 +104,18 @@ def build_response(ctx: ResponseContext, choices: list[ChoiceResult], usage: Usa
     }
 
 
+def tool_parser(ctx: ResponseContext, index: int) -> ToolCallParser | None:
+    return ToolCallParser(ctx.tool_calls, ctx.job_id, index) if ctx.tool_calls else None
+
+
+def chat_message(ctx: ResponseContext, index: int, text: str) -> dict[str, Any]:
+    """The assistant message of one choice, tool calls read out when the request had tools."""
+    parser = tool_parser(ctx, index)
+    if parser is None:
+        return {"role": "assistant", "content": text}
+    return merge_deltas(parser.feed(text) + parser.finish())
+
+
 def build_chunk(
     ctx: ResponseContext,
     index: int,
@@ -106,11 +123,12 @@ def build_chunk(
     logprobs: dict[str, Any] | None = None,
     finish_reason: str | None = None,
     role: str | None = None,
+    delta: dict[str, Any] | None = None,
 ) -> dict:
-    """One streaming chunk carrying one choice's piece."""
+    """One streaming chunk carrying one choice's piece (chat: `text` or a whole `delta`)."""
     choice: dict[str, Any] = {"index": index}
     if ctx.is_chat:
-        delta: dict[str, Any] = {}
+        delta = dict(delta or {})
         if role:
             delta["role"] = role
         if text is not None:

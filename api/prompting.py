@@ -13,8 +13,9 @@ from typing import Any
 
 from api.errors import APIError
 from api.protocol import ChatCompletionRequest, CompletionRequest, OpenAIRequest
+from api.structured import chat_inputs
 from shared.config import Settings
-from shared.contracts import JobPayload, Lane, SamplingSpec
+from shared.contracts import JobPayload, Lane, SamplingSpec, StructuredSpec, ToolCallSpec
 from shared.errors import InvalidRequestError, check_context_length
 
 log = logging.getLogger(__name__)
@@ -76,13 +77,13 @@ class TokenizerHolder:
 async def prompt_token_ids(tokenizer: Any, request: OpenAIRequest) -> list[int]:
     """The prompt as the worker will see it (chat template applied)."""
     if isinstance(request, ChatCompletionRequest):
-        messages = [m.as_dict() for m in request.messages]
         try:
+            messages, tool_kwargs = await asyncio.to_thread(chat_inputs, tokenizer, request)
             return await asyncio.to_thread(
                 tokenizer.apply_chat_template,
                 messages,
                 add_generation_prompt=request.add_generation_prompt,
-                **request.chat_template_kwargs,
+                **{**request.chat_template_kwargs, **tool_kwargs},
             )
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages", code="invalid_chat_template") from exc
@@ -143,6 +144,8 @@ def clamp_priority(priority: int, allowed: tuple[int, int]) -> int:
 def build_payload(
     request: OpenAIRequest,
     *,
+    structured: StructuredSpec | None = None,
+    tool_calls: ToolCallSpec | None = None,
     prompt_token_ids: list[int],
     job_id: str,
     model: str,
@@ -159,6 +162,8 @@ def build_payload(
         "model": model,
         "prompt_token_ids": prompt_token_ids,
         "sampling": sampling_spec(request, max_tokens),
+        "structured": structured,
+        "tool_calls": tool_calls,
         "stream": request.stream,
         "priority": clamp_priority(request.priority, priority_range),
         "lane": lane,

@@ -11,8 +11,25 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
+from api.protocol_structured import (
+    UNSUPPORTED_FIELDS,
+    MessageToolCall,
+    ResponseFormat,
+    StructuredOutputs,
+    Tool,
+    ToolChoice,
+    reject_unsupported,
+)
 from shared.contracts import MAX_LOGPROBS, SamplingSpec, check_logit_bias, check_stops
 
 # Request fields that are not sampling parameters: `api/prompting.py` maps each of them
@@ -33,6 +50,20 @@ REQUEST_FIELDS = frozenset(
         "top_logprobs",
         "add_generation_prompt",
         "chat_template_kwargs",
+        # structured outputs and tools (api/structured.py maps them into the job)
+        "response_format",
+        "structured_outputs",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "best_of",
+        # accepted for compatibility: prefix caching is automatic; metadata, like user,
+        # only labels the request (logged)
+        "prompt_cache_key",
+        "safety_identifier",
+        "metadata",
+        # OpenAI fields Ladle does not implement: a 400 unless their value asks for nothing
+        *UNSUPPORTED_FIELDS,
     }
 )
 
@@ -48,7 +79,8 @@ class _Body(BaseModel):
 class SamplingFields(SamplingSpec):
     """Fields shared by completions and chat completions: the contract's, plus the request's."""
 
-    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+    # Unknown (vendor) fields are kept aside and logged, once per request, then ignored.
+    model_config = ConfigDict(extra="allow", protected_namespaces=())
 
     model: str | None = None
     stop: str | list[str] | None = None  # type: ignore[assignment]
@@ -57,6 +89,11 @@ class SamplingFields(SamplingSpec):
     stream: bool = False
     stream_options: StreamOptions | None = None
     priority: int = 0
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    metadata: dict[str, str] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -85,6 +122,7 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
 
     @field_validator("prompt")
     @classmethod
@@ -103,7 +141,7 @@ class CompletionRequest(SamplingFields):
     @classmethod
     def _no_suffix(cls, value: str | None) -> None:
         if value:
-            raise ValueError("suffix is not supported")
+            raise PydanticCustomError("unsupported_parameter", "suffix is not supported")
         return None
 
 
@@ -118,15 +156,22 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        """Content parts joined into one string, as chat templates expect."""
+        """Content parts joined into one string, as chat templates expect; tool calls and
+        tool results as the templates that take tools expect them."""
         content = self.content
         if isinstance(content, list):
             content = "\n".join(part.text for part in content)
         message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 
@@ -137,6 +182,24 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    functions: Any = None
+    function_call: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    store: Any = None
+    service_tier: Any = None
+
+    @field_validator(*UNSUPPORTED_FIELDS)
+    @classmethod
+    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        return reject_unsupported(str(info.field_name), value)
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:

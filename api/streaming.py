@@ -9,7 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from api.formatting import ResponseContext, build_chunk, format_logprobs, usage_chunk
+from api.formatting import (
+    ResponseContext,
+    build_chunk,
+    format_logprobs,
+    tool_parser,
+    usage_chunk,
+)
+from api.tool_calls import ToolCallParser
 from shared.contracts import DeltaEvent, DoneEvent, ErrorEvent, RestartEvent, StreamEvent
 
 
@@ -21,6 +28,7 @@ class StreamInconsistent(Exception):
 class StreamTranslator:
     ctx: ResponseContext
     sent_ids: dict[int, list[int]] = field(default_factory=dict)
+    parsers: dict[int, ToolCallParser | None] = field(default_factory=dict)
     text_offset: dict[int, int] = field(default_factory=dict)
     replay_pos: dict[int, int] = field(default_factory=dict)
     started: bool = False
@@ -67,7 +75,20 @@ class StreamTranslator:
         offset = self.text_offset.get(event.index, 0)
         self.text_offset[event.index] = offset + len(event.text)
         logprobs = format_logprobs(self.ctx, event.logprobs, offset)
-        return [build_chunk(self.ctx, event.index, text=event.text, logprobs=logprobs)]
+        parser = self._parser(event.index)
+        if parser is None:
+            return [build_chunk(self.ctx, event.index, text=event.text, logprobs=logprobs)]
+        deltas = parser.feed(event.text)
+        chunks = [build_chunk(self.ctx, event.index, delta=delta) for delta in deltas]
+        if logprobs is not None:  # the tokens' logprobs ride on the step's last chunk
+            chunks = chunks or [build_chunk(self.ctx, event.index, delta={})]
+            chunks[-1]["choices"][0]["logprobs"] = logprobs
+        return chunks
+
+    def _parser(self, index: int) -> ToolCallParser | None:
+        if index not in self.parsers:
+            self.parsers[index] = tool_parser(self.ctx, index)
+        return self.parsers[index]
 
     def _is_replay(self, event: DeltaEvent, sent: list[int]) -> bool:
         """True for a delta that repeats already-sent tokens after a restart."""
@@ -87,18 +108,20 @@ class StreamTranslator:
         return True
 
     def _finish(self, event: DoneEvent) -> list[dict]:
-        chunks = [
-            build_chunk(
-                self.ctx,
-                end.index,
-                text="" if self.ctx.is_chat else None,
-                finish_reason=end.finish_reason,
-            )
-            for end in sorted(event.choices, key=lambda c: c.index)
-        ]
-        if self.ctx.is_chat:
-            for chunk in chunks:
-                chunk["choices"][0]["delta"] = {}
+        chunks = []
+        for end in sorted(event.choices, key=lambda c: c.index):
+            chunks.extend(self._finish_choice(end.index, end.finish_reason))
         if self.ctx.include_usage:
             chunks.append(usage_chunk(self.ctx, event.usage))
         return chunks
+
+    def _finish_choice(self, index: int, reason: str) -> list[dict]:
+        """What the tool-call parser still holds, then the choice's finish chunk."""
+        if not self.ctx.is_chat:
+            return [build_chunk(self.ctx, index, finish_reason=reason)]
+        parser = self._parser(index)
+        deltas = parser.finish() if parser else []
+        chunks = [build_chunk(self.ctx, index, delta=delta) for delta in deltas]
+        if parser is not None and parser.has_calls and reason == "stop":
+            reason = "tool_calls"
+        return chunks + [build_chunk(self.ctx, index, delta={}, finish_reason=reason)]

@@ -97,6 +97,29 @@ class SamplingSpec(BaseModel):
         return self
 
 
+class StructuredSpec(BaseModel):
+    """The constraint on a job's output: an llguidance grammar the API built and checked
+    (`shared/grammar.py`), its kind for logs and metrics, and the request field it came from
+    (named by a 400 should the worker still reject it)."""
+
+    kind: Literal["json_schema", "json_object", "regex", "choice", "grammar", "tool_calls"]
+    grammar: str = Field(min_length=1)
+    param: str = "response_format"
+
+
+class ToolCallSpec(BaseModel):
+    """How the API reads tool calls out of a chat job's text (`api/tool_calls.py`).
+
+    `auto`: parsed from free output in the model's format (`hermes` <tool_call> JSON or
+    `llama3` JSON); `required`: the output is a grammar-constrained JSON array of calls;
+    `named`: the output is the arguments of `function`, grammar-constrained.
+    """
+
+    mode: Literal["auto", "required", "named"]
+    format: Literal["hermes", "llama3"] = "hermes"
+    function: str | None = None
+
+
 class JobPayload(_Wire):
     """One normalised completion request, as the API enqueues it.
 
@@ -113,6 +136,8 @@ class JobPayload(_Wire):
     messages: list[dict[str, Any]] | None = None
     echo: bool = False
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
+    structured: StructuredSpec | None = None
+    tool_calls: ToolCallSpec | None = None
     stream: bool = False
     priority: int = 0
     lane: Lane = "interactive"

@@ -213,6 +213,7 @@ class WorkerService:
             payload.priority,
             param_name=payload.prompt_param,
             lane=payload.lane,
+            grammar=payload.structured.grammar if payload.structured else None,
         )
 
     async def _finish(self, record: JobRecord, status: str, event: object) -> None:

@@ -161,7 +161,7 @@ CASES = [
     Case("stop-empty", CHAT, _chat(stop=[""]), param="stop"),
     Case("top-k-below-minus-1", CMPL, _cmpl(top_k=-2), param="top_k"),
     Case("seed-too-big", CMPL, _cmpl(seed=2**64), param="seed"),
-    Case("suffix", CMPL, _cmpl(suffix="x"), param="suffix"),
+    Case("suffix", CMPL, _cmpl(suffix="x"), param="suffix", code="unsupported_parameter"),
     Case("job-inner-temperature", JOBS, _job(_cmpl(temperature=3)), param="temperature"),
     Case("job-unknown-url", JOBS, {"url": "/v1/embeddings", "body": PROMPT}, param="url"),
     # Unknown model.

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shared.errors import InvalidRequestError, check_context_length
+from shared.grammar import GrammarError
 from shared.tokenizer import Tokenizer, load_tokenizer
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig
@@ -22,6 +23,7 @@ from worker.engine.outputs import SampledToken
 from worker.engine.request import Request, RequestStatus
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import Scheduler, SchedulerConfig
+from worker.engine.structured import GrammarCompiler, GrammarMatcher
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +38,8 @@ class PreparedRequest:
     max_tokens: int
     priority: int = 0
     lane: str = "interactive"
+    # An llguidance grammar (shared/grammar.py) every output token must follow, or None.
+    grammar: str | None = None
 
 
 @dataclass
@@ -135,6 +139,9 @@ class LLMEngine:
             ),
             self.block_manager,
         )
+        self.grammars = GrammarCompiler(
+            self.tokenizer.hf, self.executor.vocab_size, sorted(self.eos_token_ids)
+        )
         self._sequences: dict[str, _Sequence] = {}
         self._children: dict[str, list[str]] = {}
         self._last_step = _StepInfo()
@@ -161,8 +168,13 @@ class LLMEngine:
         priority: int = 0,
         param_name: str = "prompt",
         lane: str = "interactive",
+        grammar: str | None = None,
     ) -> PreparedRequest:
-        """Validate lengths and token ids; resolve the default max_tokens."""
+        """Validate lengths, token ids and the grammar; resolve the default max_tokens.
+
+        With a `grammar` the output follows it; reaching max_tokens first ends it unfinished
+        (finish_reason "length"), the grammar's end ends it with "stop".
+        """
         num_prompt = len(prompt_token_ids)
         if num_prompt == 0:
             raise InvalidRequestError("prompt must not be empty", param=param_name)
@@ -178,8 +190,10 @@ class LLMEngine:
         max_tokens = check_context_length(
             num_prompt, params.max_tokens, self.max_model_len, param_name
         )
+        if grammar is not None:
+            self._grammar_matcher(grammar)  # compiled (and cached) now: its errors are 400s
         return PreparedRequest(
-            request_id, list(prompt_token_ids), params, max_tokens, priority, lane
+            request_id, list(prompt_token_ids), params, max_tokens, priority, lane, grammar
         )
 
     def add_request(self, prepared: PreparedRequest) -> None:
@@ -200,6 +214,8 @@ class LLMEngine:
                 priority=prepared.priority,
                 lane=prepared.lane,
             )
+            if prepared.grammar is not None:
+                request.grammar = self._grammar_matcher(prepared.grammar)
             self.scheduler.add_request(request)
             detok = IncrementalDetokenizer(self.tokenizer, prepared.prompt_token_ids, child_params)
             self._sequences[child_id] = _Sequence(prepared.request_id, index, detok)
@@ -306,6 +322,9 @@ class LLMEngine:
             is_stop_token = token_id in params.stop_token_ids or (
                 token_id in request.eos_token_ids and not params.ignore_eos
             )
+            if request.grammar is not None and not is_stop_token:
+                if not request.grammar.accept(token_id):
+                    logger.error("token %d broke the grammar: %s", token_id, request.grammar.error)
             if not is_stop_token:
                 text += detokenizer.append(token_id)
             finish = self._finish_reason(
@@ -325,11 +344,23 @@ class LLMEngine:
     ) -> str | None:
         if is_stop_token or detokenizer.stop_reason is not None:
             return "stop"
+        if request.grammar is not None and request.grammar.is_finished:
+            return "stop"  # the grammar is complete and allows nothing more
         if num_output_tokens >= request.max_tokens:
             return "length"
         if request.num_prompt_tokens + num_output_tokens >= self.max_model_len:
             return "length"
         return None
+
+    def _grammar_matcher(self, grammar: str) -> GrammarMatcher:
+        try:
+            return self.grammars.matcher(grammar)
+        except GrammarError as exc:
+            raise InvalidRequestError(
+                f"the structured output spec does not compile: {exc}",
+                param="response_format",
+                code="invalid_schema",
+            ) from exc
 
     def _forget(self, child_ids: list[str]) -> None:
         for child_id in child_ids:

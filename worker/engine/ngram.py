@@ -86,12 +86,13 @@ def can_speculate(request: Request) -> bool:
 
     Verification samples every draft position with the same processing as a plain decode
     step, so that processing must not depend on the tokens generated so far: penalties
-    (which count them) and an active min_tokens mask rule speculation out. Requests with a
-    per-token constraint (a grammar) are expected to be excluded here too.
+    (which count them), an active min_tokens mask and a grammar (its mask depends on every
+    accepted token) rule speculation out.
     """
     params = request.sampling_params
     return (
-        params.repetition_penalty == 1.0
+        request.grammar is None
+        and params.repetition_penalty == 1.0
         and params.presence_penalty == 0.0
         and params.frequency_penalty == 0.0
         and request.num_output_tokens >= params.min_tokens

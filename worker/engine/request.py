@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from worker.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from worker.engine.structured import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -54,6 +58,8 @@ class Request:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    # Where a constrained request is in its grammar (advanced per accepted token).
+    grammar: GrammarMatcher | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,6 +1,7 @@
 """Batched sampling: logit processors, filters, seeded draws and logprobs, one call per step.
 
-Per-request parameters become batch tensors once per call. Order, as in vLLM: logit bias and
+Per-request parameters become batch tensors once per call. Order, as in vLLM: grammar
+bitmasks (constrained rows only, see `structured.py`), logit bias and
 min_tokens masks, penalties, then greedy argmax for temperature-0 rows; for the others
 temperature, min_p, top_k, top_p and an exponential race (argmax of probs / Exp(1) noise),
 done in log space as argmax(logits - log(noise)). A seeded request draws its noise from its
@@ -25,6 +26,7 @@ import torch
 from worker.engine.outputs import SampledToken, TopToken
 from worker.engine.request import Request
 from worker.engine.sampling_params import SamplingParams
+from worker.engine.structured import apply_bitmask, fill_bitmask
 
 _NEG_INF = float("-inf")
 _MIN_UNIFORM = 1e-20
@@ -65,6 +67,7 @@ class Sampler:
             return [SampledToken(token_id) for token_id in logits.argmax(dim=-1).tolist()]
         raw_logits = logits.float()
         processed = raw_logits.clone()
+        _apply_grammars(processed, requests)
         _apply_logit_bias(processed, requests)
         _apply_min_tokens(processed, requests)
         _apply_penalties(processed, requests)
@@ -137,6 +140,7 @@ def _is_plain_greedy(requests: Sequence[Request]) -> bool:
         params = request.sampling_params
         if (
             not params.is_greedy
+            or request.grammar is not None
             or params.logit_bias
             or params.logprobs is not None
             or _needs_min_tokens_mask(request)
@@ -157,6 +161,14 @@ def _has_penalties(request: Request) -> bool:
 
 def _needs_min_tokens_mask(request: Request) -> bool:
     return len(request.output_token_ids) < request.sampling_params.min_tokens
+
+
+def _apply_grammars(logits: torch.Tensor, requests: Sequence[Request]) -> None:
+    """Constrained rows keep only the tokens their grammar allows; other rows are untouched."""
+    rows = [i for i, r in enumerate(requests) if r.grammar is not None]
+    if rows:
+        matchers = [requests[i].grammar for i in rows]
+        apply_bitmask(logits, rows, fill_bitmask(matchers, logits.shape[1]))  # type: ignore[arg-type]
 
 
 def _apply_logit_bias(logits: torch.Tensor, requests: Sequence[Request]) -> None:
