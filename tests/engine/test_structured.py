@@ -145,3 +145,12 @@ def test_compiled_grammars_are_cached_by_hash(engine: LLMEngine) -> None:
     cached = len(engine.grammars._cache)
     first, second = engine.grammars.matcher(grammar), engine.grammars.matcher(grammar)
     assert len(engine.grammars._cache) == cached and first.raw is not second.raw
+
+
+def test_a_grammar_spells_non_special_added_tokens(engine: LLMEngine) -> None:
+    """`<tool_call>` is an added, non-special token (as in Qwen): a grammar that spells it
+    must be able to emit it (llguidance alone offers the token, then refuses it)."""
+    text = '<tool_call>\n{"name": "f"}\n</tool_call>'
+    grammar = build_grammar("regex", text.replace("{", r"\{").replace("}", r"\}"))
+    results = run(engine, {"t": (PROMPT, (SamplingParams(seed=0), grammar))})
+    assert results["t"][0][0] == text and results["t"][0][2] == "stop"

@@ -82,7 +82,13 @@ def tiny_byte_model_dir(family: str, root: Path, seed: int = 0) -> Path:
     from tests.engine.tiny_models import tiny_model_dir
 
     path = tiny_model_dir(
-        family, root, seed, vocab_size=MODEL_VOCAB, eos_token_id=IM_END_ID, bos_token_id=None
+        family,
+        root,
+        seed,
+        vocab_size=MODEL_VOCAB,
+        eos_token_id=IM_END_ID,
+        bos_token_id=None,
+        max_position_embeddings=2048,  # tool definitions are long in bytes
     )
     add_byte_tokenizer(path)
     return path
