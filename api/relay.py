@@ -23,8 +23,10 @@ from redis.exceptions import RedisError
 
 from shared.contracts import ErrorEvent, StreamEvent, decode_event
 from shared.keys import Keys
+from shared.retry import FOREVER, Backoff, retry
 
 log = logging.getLogger(__name__)
+READ_BACKOFF = Backoff(first_s=0.05, max_s=2.0)
 
 
 def parse_entry_id(entry_id: str) -> tuple[int, int]:
@@ -104,10 +106,6 @@ class Relay:
             if not subs:
                 del self._subs[sub.stream]
 
-    @property
-    def num_streams(self) -> int:
-        return len(self._subs)
-
     def start(self) -> None:
         if self._task is None and not self._stopping:
             self._loop = asyncio.get_running_loop()
@@ -141,24 +139,29 @@ class Relay:
                 sub.fail(error_for(sub.job_id))
 
     async def _run(self) -> None:
-        backoff = 0.05
         while not self._stopping:
-            if not self._subs:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
             try:
-                await self._read_once()
+                await retry(
+                    self._read_when_subscribed,
+                    on=(RedisError, OSError),
+                    what="relay read",
+                    backoff=READ_BACKOFF,
+                    give_up_after_s=FOREVER,  # waits end after outage_grace_s (_on_lost)
+                    on_error=self._on_lost,
+                )
                 if not self.healthy:
                     self._on_reconnect()
-                backoff = 0.05
-            except (RedisError, OSError) as exc:
-                self._on_lost(exc)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
             except Exception:  # the relay must outlive any surprise, or every stream hangs
                 log.exception("relay read failed")
                 await asyncio.sleep(1.0)
+
+    async def _read_when_subscribed(self) -> None:
+        if self._stopping:  # a cancelled read can surface as a ConnectionError: retry ends
+            return
+        while not self._subs:
+            self._wake.clear()
+            await self._wake.wait()
+        await self._read_once()
 
     def _on_lost(self, exc: BaseException) -> None:
         now = time.monotonic()

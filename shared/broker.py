@@ -21,6 +21,8 @@ from typing import Literal
 
 import redis
 
+from shared.redis_url import safe_url
+
 logger = logging.getLogger("ladle.broker")
 
 BrokerKind = Literal["configured", "private-redis-server", "embedded"]
@@ -45,14 +47,6 @@ class BrokerHandle:
         """Stop the broker if this process started it (idempotent)."""
         stop, self._stop = self._stop, lambda: None
         stop()
-
-
-def safe_url(url: str) -> str:
-    """The URL without credentials, for logs."""
-    if "@" not in url:
-        return url
-    scheme, _, rest = url.partition("://")
-    return f"{scheme}://***@{rest.split('@', 1)[1]}"
 
 
 def ping(url: str, timeout_s: float = 1.0) -> bool:

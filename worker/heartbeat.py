@@ -9,6 +9,7 @@ import socket
 import time
 from collections.abc import Callable
 
+from arq.constants import in_progress_key_prefix
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 from redis.exceptions import RedisError
@@ -19,7 +20,7 @@ from worker.engine.engine import EngineStats
 
 logger = logging.getLogger(__name__)
 
-ARQ_IN_PROGRESS_PREFIX = "arq:in-progress:"
+ARQ_IN_PROGRESS_PREFIX = in_progress_key_prefix  # arq's lease key of a running job
 MODELS_TTL_S = 86_400
 
 

@@ -1,4 +1,10 @@
-"""The worker's asyncio side: runs jobs on the engine thread and publishes their events."""
+"""The job lifecycle: one attempt of a job from its record to its one final state.
+
+`WorkerService` checks and claims a job, hands it to the engine thread, waits for its outcome
+(completed, cancelled, timed out, rejected, handed back) and writes the final record. Engine
+outputs become events in `worker/publisher.py`; cancels arrive through `worker/listener.py`;
+which jobs to take is the arq adapter's call (`worker/arq_adapter.py`).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,6 @@ import logging
 import time
 
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
 
 from shared.config import Settings
 from shared.contracts import (
@@ -15,7 +20,6 @@ from shared.contracts import (
     ErrorEvent,
     JobPayload,
     JobRecord,
-    Lane,
     RestartEvent,
     StartedEvent,
     cancelled_event,
@@ -23,12 +27,14 @@ from shared.contracts import (
 from shared.errors import InvalidRequestError
 from shared.keys import Keys
 from shared.tokenizer import Tokenizer
-from worker.engine.engine import LLMEngine, PreparedRequest, SequenceOutput
+from worker.engine.engine import LLMEngine, PreparedRequest
 from worker.engine.sampling_params import SamplingParams
 from worker.engine_thread import EngineStepError, EngineThread
 from worker.job_state import JobState
+from worker.listener import Listener
 from worker.metrics import WorkerMetricsRecorder
-from worker.store import REDIS_DOWN_ERRORS, JobStore
+from worker.publisher import Publisher
+from worker.store import JobStore
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +55,6 @@ class WorkerService:
     ) -> None:
         self.settings = settings
         self.engine = engine
-        self.tokenizer = tokenizer  # event-loop thread only; the engine has its own
         self.redis = redis
         self.worker_id = worker_id
         self.keys = Keys(settings.key_prefix)
@@ -58,57 +63,28 @@ class WorkerService:
         self.num_pending = 0
         self.draining = False
         self.loop = asyncio.get_running_loop()
-        self._outputs: asyncio.Queue[list[SequenceOutput]] = asyncio.Queue()
-        self.engine_thread = EngineThread(engine, self._on_outputs, self._on_reject)
+        self.publisher = Publisher(
+            redis, self.store, self.jobs, tokenizer, self._on_job_written, metrics
+        )
+        self.engine_thread = EngineThread(engine, self.publisher.on_outputs, self._on_reject)
         self._tasks: list[asyncio.Task[None]] = []
         self.metrics = metrics
         # Set when the API has enqueued a job: the poll loop looks at the queue at once.
         self.wake = asyncio.Event()
+        self.listener = Listener(redis, self.keys, self.cancel, self.wake)
 
     # ---- lifecycle ---------------------------------------------------------------------
 
     def start(self) -> None:
         self.engine_thread.start()
-        self._tasks.append(asyncio.create_task(self._publish_loop(), name="publisher"))
-        self._tasks.append(asyncio.create_task(self._listener(), name="cancels+wake"))
+        self._tasks.append(asyncio.create_task(self.publisher.run(), name="publisher"))
+        self._tasks.append(asyncio.create_task(self.listener.run(), name="cancels+wake"))
 
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await asyncio.to_thread(self.engine_thread.stop)
-
-    def admission_capacity(self, num_starting: int = 0, lane: Lane = "interactive") -> int:
-        """How many more jobs of `lane` to take from its queue now: only what can start soon.
-
-        `num_starting` counts jobs arq has started that have not reached `run_job` yet.
-        Batch lines only fill spare capacity: none while anything waits for the engine, and
-        never the last `batch_reserved_seqs` sequence slots (kept for interactive requests).
-        """
-        if self.draining:
-            return 0
-        if lane == "batch":
-            return min(self._interactive_room(num_starting), self._batch_room(num_starting))
-        return self._interactive_room(num_starting)
-
-    def _batch_room(self, num_starting: int) -> int:
-        if self.engine.stats().num_waiting:
-            return 0
-        limit = self.settings.max_batch_size - self.settings.batch_reserved_seqs
-        return max(0, limit - len(self.jobs) - self.num_pending - num_starting)
-
-    def _interactive_room(self, num_starting: int) -> int:
-        stats = self.engine.stats()
-        num_not_in_engine = self.num_pending + num_starting
-        waiting = stats.num_waiting + num_not_in_engine
-        room_in_queue = self.settings.worker_max_queued - waiting
-        room_in_batch = (
-            self.settings.max_batch_size
-            + self.settings.worker_max_queued
-            - len(self.jobs)
-            - num_not_in_engine
-        )
-        return max(0, min(room_in_batch, max(room_in_queue, 0)))
 
     # ---- one job -----------------------------------------------------------------------
 
@@ -254,10 +230,12 @@ class WorkerService:
             self.jobs[job_id].outcome.set_exception(HandBack(job_id))
         return job_ids
 
-    # ---- engine thread -> event loop ---------------------------------------------------
+    # ---- engine thread and publisher -> lifecycle --------------------------------------
 
-    def _on_outputs(self, outputs: list[SequenceOutput]) -> None:
-        self.loop.call_soon_threadsafe(self._outputs.put_nowait, outputs)
+    def _on_job_written(self, job: JobState) -> None:
+        """The publisher wrote a job's last token: it completed."""
+        if not job.outcome.done():
+            job.outcome.set_result("completed")
 
     def _on_reject(self, request_id: str, exc: Exception) -> None:
         self.loop.call_soon_threadsafe(self._reject, request_id, exc)
@@ -271,79 +249,3 @@ class WorkerService:
         else:
             job.error = ErrorEvent(status=400, error_type="invalid_request_error", message=str(exc))
         job.outcome.set_result("rejected")
-
-    async def _publish_loop(self) -> None:
-        """One Redis pipeline per batch of engine steps; coalesces steps if Redis lags."""
-        while True:
-            batches = [await self._outputs.get()]
-            while not self._outputs.empty():
-                batches.append(self._outputs.get_nowait())
-            finished = await self._publish(batches)
-            if self.metrics:
-                self.metrics.observe_steps(batches)
-            for job in finished:
-                if not job.outcome.done():
-                    job.outcome.set_result("completed")
-
-    async def _publish(self, batches: list[list[SequenceOutput]]) -> list[JobState]:
-        finished: list[JobState] = []
-        entries: list[tuple[str, object]] = []
-        for outputs in batches:
-            for output in outputs:
-                job = self.jobs.get(output.request_id)
-                if job is None or job.outcome.done():
-                    continue
-                previous_token_at = job.last_token_at
-                entries.append((output.request_id, job.apply(output, self.tokenizer)))
-                if self.metrics:
-                    self.metrics.observe_token(job, previous_token_at)
-                if job.is_finished:
-                    finished.append(job)
-        await self._write_events(entries)
-        return finished
-
-    async def _write_events(self, entries: list[tuple[str, object]]) -> None:
-        """Redis blinking must not drop tokens: retry with backoff until written."""
-        delay = 0.05
-        while True:
-            pipe = self.redis.pipeline(transaction=False)
-            for job_id, event in entries:
-                self.store.append(pipe, job_id, event)
-            try:
-                await pipe.execute()
-                return
-            except (ConnectionError, RedisError) as exc:
-                logger.warning("publishing events failed (%s); retrying in %.2f s", exc, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
-
-    async def _listener(self) -> None:
-        """Subscribe to cancels and wake-ups; after a Redis outage, subscribe again."""
-        delay = 0.1
-        while True:
-            pubsub = self.redis.pubsub()
-            try:
-                await pubsub.subscribe(self.keys.cancel_channel, self.keys.wake_channel)
-                delay = 0.1
-                async for message in pubsub.listen():
-                    if message.get("type") != "message":
-                        continue
-                    channel, data = message["channel"], message["data"]
-                    channel = channel.decode() if isinstance(channel, bytes) else channel
-                    if channel == self.keys.wake_channel:
-                        self.wake.set()
-                    else:
-                        self.cancel(data.decode() if isinstance(data, bytes) else data)
-            except (RedisError, OSError) as exc:
-                logger.warning("pub/sub listener lost Redis (%s); retrying in %.1f s", exc, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
-            finally:
-                await _close_quietly(pubsub)
-
-
-async def _close_quietly(pubsub: object) -> None:
-    try:
-        await pubsub.aclose()  # type: ignore[attr-defined]
-    except (*REDIS_DOWN_ERRORS, RedisError):
-        pass

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -15,6 +14,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from shared.contracts import FINAL_STATUSES, QUEUED_GRACE_S, JobRecord, encode_event
 from shared.keys import Keys
 from shared.ratelimit import settle_lua
+from shared.retry import Backoff, retry
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -22,34 +22,18 @@ T = TypeVar("T")
 REDIS_DOWN_ERRORS = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
 # How long a job's writes wait for Redis to come back before giving up (then logged).
 WRITE_DEADLINE_S = 120.0
+WRITE_BACKOFF = Backoff(first_s=0.05, max_s=2.0)
 
 
-async def with_retry(
-    op: Callable[[], Awaitable[T]],
-    what: str,
-    deadline_s: float = WRITE_DEADLINE_S,
-) -> T:
-    """Run `op`, retrying with backoff while Redis is unreachable, until `deadline_s`."""
-    deadline = time.monotonic() + deadline_s
-    delay = 0.05
-    while True:
-        try:
-            return await op()
-        except REDIS_DOWN_ERRORS as exc:
-            if time.monotonic() + delay > deadline:
-                raise
-            logger.warning("%s failed (%r); retrying in %.2f s", what, exc, delay)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
-
-
+# The shared final statuses as a Lua table literal.
+FINAL_STATUSES_LUA = "{" + ", ".join(f"'{status}'" for status in sorted(FINAL_STATUSES)) + "}"
 # Sets the record and appends the last event only while the stored record is not final.
 # Records are pydantic JSON (no spaces), so the status test is a plain substring match.
 _FINISH_SCRIPT = (
     """
 local current = redis.call('GET', KEYS[1])
 if current then
-  for _, status in ipairs({'completed', 'failed', 'cancelled'}) do
+  for _, status in ipairs(FINAL_STATUSES_LUA) do
     if string.find(current, '"status":"' .. status .. '"', 1, true) then return 0 end
   end
 end
@@ -66,7 +50,7 @@ redis.call('EXPIRE', KEYS[5], ARGV[3])
     + settle_lua(6, 7)
     + """return 1
 """
-)
+).replace("FINAL_STATUSES_LUA", FINAL_STATUSES_LUA)
 
 
 class JobStore:
@@ -87,24 +71,32 @@ class JobStore:
         self.deadline_s = deadline_s
         self._finish = redis.register_script(_FINISH_SCRIPT)
 
+    async def _until_deadline(self, op: Callable[[], Awaitable[T]], what: str) -> T:
+        """Every job write: retried while Redis is away, given up after `deadline_s`."""
+        return await retry(
+            op,
+            on=REDIS_DOWN_ERRORS,
+            what=what,
+            backoff=WRITE_BACKOFF,
+            give_up_after_s=self.deadline_s,
+        )
+
     async def get(self, job_id: str) -> JobRecord | None:
-        raw = await with_retry(
-            lambda: self.redis.get(self.keys.job(job_id)), "reading a job", self.deadline_s
+        raw = await self._until_deadline(
+            lambda: self.redis.get(self.keys.job(job_id)), "reading a job"
         )
         return JobRecord.model_validate_json(raw) if raw else None
 
     async def is_cancelled(self, job_id: str) -> bool:
         key = self.keys.cancelled(job_id)
-        return bool(
-            await with_retry(lambda: self.redis.exists(key), "reading a cancel", self.deadline_s)
-        )
+        return bool(await self._until_deadline(lambda: self.redis.exists(key), "reading a cancel"))
 
     async def mark_in_progress(self, record: JobRecord, attempt: int, worker_id: str) -> None:
         record.status = "in_progress"
         record.attempts = attempt
         record.worker_id = worker_id
         record.started_at = record.started_at or time.time()
-        await with_retry(
+        await self._until_deadline(
             lambda: self.redis.set(
                 self.keys.job(record.id),
                 record.model_dump_json(),
@@ -112,7 +104,6 @@ class JobStore:
                 xx=True,
             ),
             "marking a job in progress",
-            self.deadline_s,
         )
 
     def restore(self, pipe: Redis, job_id: str, record_json: str, payload_json: str) -> None:
@@ -136,7 +127,7 @@ class JobStore:
                 pipe.expire(self.keys.stream(job_id), self.ttl_s + 3600)
                 await pipe.execute()
 
-        await with_retry(write, "appending an event", self.deadline_s)
+        await self._until_deadline(write, "appending an event")
 
     async def finish(
         self,
@@ -173,7 +164,7 @@ class JobStore:
             reserved.second if reserved else 0,
             max(reserved.tokens - used_tokens, 0) if reserved else 0,
         ]
-        done = await with_retry(
-            lambda: self._finish(keys=keys, args=args), "writing a final record", self.deadline_s
+        done = await self._until_deadline(
+            lambda: self._finish(keys=keys, args=args), "writing a final record"
         )
         return bool(done)

@@ -160,7 +160,7 @@ def test_job_ids_are_unguessable() -> None:
     ],
 )
 def test_redis_urls_with_password_and_tls(url: str, expected: dict) -> None:
-    worker_side = arq_redis_settings(url)  # what worker/main.py connects with
+    worker_side = arq_redis_settings(url)  # what worker/process.py connects with
     for name, value in expected.items():
         assert getattr(worker_side, name) == value, name
     api_pool = make_redis(Settings(redis_url=url, _env_file=None), Keys("t")).connection_pool

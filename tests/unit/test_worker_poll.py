@@ -9,9 +9,9 @@ import fakeredis
 import pytest
 from arq.connections import ArqRedis
 
-import worker.main
+import worker.arq_adapter
 from shared.config import Settings
-from worker.main import LadleWorker
+from worker.arq_adapter import LadleWorker
 
 
 class _Service:
@@ -42,7 +42,7 @@ def test_running_jobs_are_dropped_before_arq_checks_them() -> None:
 
 
 def test_a_wake_up_ends_the_wait_between_polls(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(worker.main, "POLL_S", 60.0)  # without a wake-up: a minute
+    monkeypatch.setattr(worker.arq_adapter, "POLL_S", 60.0)  # without a wake-up: a minute
 
     async def scenario() -> None:
         server = fakeredis.FakeServer()

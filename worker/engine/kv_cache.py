@@ -17,8 +17,6 @@ from torch import nn
 from worker.layers.attention import PagedAttention
 from worker.models.llama import head_dim_of
 
-DEFAULT_BLOCK_SIZE = 16
-
 
 def _kv_shape(hf_config: Any) -> tuple[int, int, int]:
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or (
@@ -32,12 +30,6 @@ def kv_bytes_per_block(hf_config: Any, block_size: int, dtype: torch.dtype) -> i
     num_layers, num_kv_heads, head_dim = _kv_shape(hf_config)
     element_size = torch.empty((), dtype=dtype).element_size()
     return 2 * num_layers * block_size * num_kv_heads * head_dim * element_size
-
-
-def num_blocks_for(size_mb: float, hf_config: Any, block_size: int, dtype: torch.dtype) -> int:
-    """How many blocks fit in `size_mb` MiB (at least 1)."""
-    per_block = kv_bytes_per_block(hf_config, block_size, dtype)
-    return max(1, int(size_mb * 1024 * 1024) // per_block)
 
 
 @dataclass

@@ -1,0 +1,219 @@
+"""The arq adapter owns the queue side: the job function, the arq Worker, and admission.
+
+arq has no public hook for three things we need, so `LadleWorker` overrides them and says why
+at each: `start_jobs` (admission: take only what the engine can start soon), `_poll_iteration`
+(a poll that survives Redis outages and a wait cut short by the API's wake-up), and
+`finish_failed_job` (record why a job ran out of tries). Everything else is arq's public API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+from arq import Retry
+from arq.connections import ArqRedis
+from arq.worker import Worker, func
+from redis.exceptions import RedisError
+
+from shared.config import Settings
+from shared.contracts import ErrorEvent, JobPayload, Lane
+from shared.keys import Keys
+from shared.logging import job_id_var, request_id_var
+from shared.queue import RUN_COMPLETION, deserialize_job, serialize_job
+from shared.retry import FOREVER, Backoff, retry
+from worker.heartbeat import ARQ_IN_PROGRESS_PREFIX
+from worker.service import HandBack, WorkerService
+from worker.store import REDIS_DOWN_ERRORS
+
+# How often a worker looks at the queue when nothing wakes it: jobs handed back or retried,
+# room freed by finished jobs. A new job wakes idle workers at once (the API publishes on
+# Keys.wake_channel after enqueueing).
+POLL_S = 0.02
+# Batch lines are not woken for: their lane is looked at this often.
+BATCH_POLL_S = 0.1
+POLL_BACKOFF = Backoff(first_s=0.5, max_s=5.0)
+
+logger = logging.getLogger("worker")
+
+
+async def run_completion(ctx: dict[str, Any], payload_json: str) -> str:
+    """The arq job: one attempt at one completion job."""
+    service: WorkerService = ctx["service"]
+    payload = JobPayload.model_validate_json(payload_json)
+    # Log lines of this job (its own asyncio task) carry its ids.
+    job_id_var.set(payload.id)
+    request_id_var.set(payload.request_id)
+    try:
+        status = await service.run_job(payload, ctx["job_try"])
+        logger.info("job %s", status, extra={"attempt": ctx["job_try"]})
+        return status
+    except HandBack:
+        raise Retry(defer=None) from None  # back to the queue, for another worker
+    except asyncio.CancelledError:
+        raise
+    except REDIS_DOWN_ERRORS as exc:  # Redis stayed away past the store's deadline
+        logger.error("job %s: Redis unreachable (%r); back to the queue", payload.id, exc)
+        raise Retry(defer=1.0) from None
+    except Exception as exc:  # a bug must end the job with a reason, never lose it
+        logger.exception("job %s failed", payload.id)
+        await service.fail(
+            payload.id,
+            ErrorEvent(status=500, error_type="server_error", message=f"worker error: {exc}"),
+        )
+        return "failed"
+
+
+class LadleWorker(Worker):
+    """arq's worker for one lane of the worker's model, taking only jobs the engine can start
+    soon (batch lines: only spare room) and surviving Redis blips."""
+
+    def __init__(
+        self,
+        service: WorkerService,
+        settings: Settings,
+        pool: ArqRedis,
+        lane: Lane = "interactive",
+    ) -> None:
+        super().__init__(
+            functions=[func(run_completion, name=RUN_COMPLETION, max_tries=settings.job_max_tries)],
+            queue_name=Keys(settings.key_prefix).queue(settings.model_id, lane),
+            redis_pool=pool,
+            max_jobs=settings.max_batch_size + settings.worker_max_queued,
+            job_timeout=settings.job_timeout_s + 30,
+            keep_result=60,
+            poll_delay=0,  # the wait is ours: POLL_S, or less when the API wakes us
+            handle_signals=False,
+            job_serializer=serialize_job,
+            job_deserializer=deserialize_job,
+            ctx={"service": service},
+            log_results=False,
+        )
+        # A killed worker's lease runs out after worker_ttl_s (the heartbeat renews it).
+        self.in_progress_timeout_s = settings.worker_ttl_s
+        self.service = service
+        self.settings = settings
+        self.lane = lane
+
+    async def start_jobs(self, job_ids: list[bytes]) -> None:
+        """Admission. arq offers every queued id it read and has no hook to decline one, so
+        this override checks room per job actually started. arq lists jobs running anywhere
+        as well: never cut the list (that starved the worker at worker_max_queued jobs)."""
+        for job_id in await self._not_running(job_ids):
+            if self.admission_capacity() <= 0:
+                return
+            counter = self.job_counter
+            try:
+                await super().start_jobs([job_id])
+            except BaseException:
+                # arq counted the job and took a semaphore slot before its Redis calls
+                # failed: give both back, or every outage would shrink max_jobs for good.
+                if self.job_counter > counter and job_id.decode() not in self.tasks:
+                    self.job_counter -= 1
+                    self.sem.release()
+                raise
+
+    def admission_capacity(self) -> int:
+        """How many more jobs of this lane to take from its queue now: only what can start
+        soon. Every worker of the process (one per lane) shares the engine and this rule.
+
+        Interactive: at most `worker_max_queued` jobs wait in the engine (or on their way to
+        it: arq has started them, they have not reached the engine yet), and at most
+        `max_batch_size + worker_max_queued` in all, so a worker whose KV cache is full does
+        not hoard jobs an idle worker could run. Batch lines only fill spare capacity: none
+        while anything waits for the engine, and never the last `batch_reserved_seqs`
+        sequence slots (kept for interactive requests)."""
+        if self.service.draining:
+            return 0
+        service = self.service
+        num_starting = max(self.job_counter - len(service.jobs) - service.num_pending, 0)
+        room = self._interactive_room(num_starting)
+        if self.lane == "batch":
+            return min(room, self._batch_room(num_starting))
+        return room
+
+    def _interactive_room(self, num_starting: int) -> int:
+        service, settings = self.service, self.settings
+        num_not_in_engine = service.num_pending + num_starting
+        waiting = service.engine.stats().num_waiting + num_not_in_engine
+        room_in_queue = settings.worker_max_queued - waiting
+        room_in_batch = (
+            settings.max_batch_size
+            + settings.worker_max_queued
+            - len(service.jobs)
+            - num_not_in_engine
+        )
+        return max(0, min(room_in_batch, max(room_in_queue, 0)))
+
+    def _batch_room(self, num_starting: int) -> int:
+        service, settings = self.service, self.settings
+        if service.engine.stats().num_waiting:
+            return 0
+        limit = settings.max_batch_size - settings.batch_reserved_seqs
+        return max(0, limit - len(service.jobs) - service.num_pending - num_starting)
+
+    async def _not_running(self, job_ids: list[bytes]) -> list[bytes]:
+        """Drop the ids of jobs already running, here or elsewhere, before arq's own check.
+
+        Running jobs stay in arq's queue until they end, and arq checks each listed id with
+        a WATCH/EXISTS/ZSCORE/UNWATCH round of its own: at 16 running jobs and one poll every
+        20 ms that was most of the worker's event-loop CPU (2 ms per generated token), taken
+        from the engine thread. Ours are known from `self.tasks`; others' in-progress keys
+        cost one pipelined EXISTS per poll. arq still checks the rest (a race stays safe)."""
+        ids = [i for i in job_ids if not _running(self.tasks.get(i.decode()))]
+        if not ids:
+            return []
+        async with self.pool.pipeline(transaction=False) as pipe:
+            for job_id in ids:
+                pipe.exists(ARQ_IN_PROGRESS_PREFIX + job_id.decode())
+            found = await pipe.execute()
+        return [job_id for job_id, running in zip(ids, found, strict=True) if not running]
+
+    async def _poll_iteration(self) -> None:
+        """One poll, then a wait of POLL_S cut short by a wake-up (the API enqueued a job).
+
+        Private in arq, overridden because arq has no hook for either: its poll loop ends on
+        the first Redis error, and its wait between polls is a fixed sleep. Redis errors are
+        retried here forever, anything else is logged: nothing may end the poll loop."""
+        try:
+            await retry(
+                super()._poll_iteration,
+                on=(RedisError, OSError),
+                what="queue poll",
+                backoff=POLL_BACKOFF,
+                give_up_after_s=FOREVER,
+            )
+            if self.lane != "interactive":
+                await asyncio.sleep(BATCH_POLL_S)
+                return
+            wake = self.service.wake
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), POLL_S)
+            wake.clear()
+        except Exception:
+            logger.exception("queue poll failed")
+            await asyncio.sleep(1.0)
+
+    async def finish_failed_job(self, job_id: str, result_data: bytes | None) -> None:
+        """arq gave up on a job without running it (tries exhausted): record why.
+
+        arq notices only when a worker picks the job up again after the last attempt's
+        worker died (its lease ran out), so the record says `in_progress` until then."""
+        await super().finish_failed_job(job_id, result_data)
+        tries = self.settings.job_max_tries
+        logger.warning("job %s: no try left after %d attempts; failing it", job_id, tries)
+        await self.service.fail(
+            job_id,
+            ErrorEvent(
+                status=500,
+                error_type="server_error",
+                code="worker_lost",
+                message=f"The job failed after {tries} attempts: its worker was lost each time",
+            ),
+        )
+
+
+def _running(task: asyncio.Task | None) -> bool:
+    return task is not None and not task.done()

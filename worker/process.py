@@ -1,0 +1,160 @@
+"""The worker process owns start-up and shutdown: model, Redis, service, heartbeat, drain."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import time
+
+from arq.connections import ArqRedis, create_pool
+from prometheus_client import start_http_server
+from redis.exceptions import RedisError
+
+from shared.config import Settings
+from shared.contracts import WorkerRecord
+from shared.keys import Keys
+from shared.metrics import WorkerMetrics
+from shared.queue import deserialize_job, serialize_job
+from shared.redis_url import arq_redis_settings, safe_url
+from shared.retry import FOREVER, Backoff, retry
+from shared.tokenizer import load_tokenizer
+from worker.arq_adapter import LadleWorker
+from worker.engine.config import EngineConfig
+from worker.engine.engine import LLMEngine
+from worker.heartbeat import Heartbeat, default_worker_id
+from worker.metrics import WorkerMetricsRecorder
+from worker.service import WorkerService
+
+logger = logging.getLogger("worker")
+CONNECT_BACKOFF = Backoff(first_s=0.5, max_s=5.0)
+
+
+class WorkerProcess:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.keys = Keys(settings.key_prefix)
+        self.worker_id = settings.worker_id or default_worker_id()
+        self._stopping = asyncio.Event()
+
+    async def run(self) -> None:
+        s = self.settings
+        started = time.perf_counter()
+        engine = await asyncio.to_thread(LLMEngine, EngineConfig.from_settings(s))
+        tokenizer = await asyncio.to_thread(load_tokenizer, s.model_name, s.cache_dir)
+        logger.info("engine ready in %.1f s", time.perf_counter() - started)
+        pool = await _connect(s)
+        metrics = WorkerMetrics()
+        recorder = WorkerMetricsRecorder(metrics)
+        service = WorkerService(s, engine, tokenizer, pool, self.worker_id, recorder)
+        service.start()
+        heartbeat = Heartbeat(
+            pool,
+            self.keys,
+            self._record(engine),
+            s.heartbeat_interval_s,
+            s.worker_ttl_s,
+            stats=lambda: _stats(engine, recorder),
+            job_ids=lambda: list(service.jobs),
+            status=lambda: "draining" if service.draining else "ready",
+            restore=service.restore_records,
+        )
+        heartbeat.start()
+        self._serve_metrics(metrics)
+        # One arq worker per lane of this model's queues, sharing the engine and admission.
+        workers = [LadleWorker(service, s, pool, lane) for lane in ("interactive", "batch")]
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            asyncio.get_running_loop().add_signal_handler(sig, self._stopping.set)
+        runners = [asyncio.create_task(w.async_run()) for w in workers]
+        for runner in runners:
+            runner.add_done_callback(self._on_runner_exit)
+        logger.info(
+            "worker %s ready: model %s on %s", self.worker_id, s.model_id, engine.executor.device
+        )
+        await self._stopping.wait()
+        await self._drain(service, workers)
+        await heartbeat.stop()
+        await heartbeat.remove()
+        for runner in runners:
+            runner.cancel()
+        await asyncio.gather(*runners, return_exceptions=True)
+        await workers[0].close()  # closes the shared pool too: the other worker only waits
+        await asyncio.gather(*workers[1].tasks.values(), return_exceptions=True)
+        await service.stop()
+        logger.info("worker %s stopped", self.worker_id)
+
+    async def _drain(self, service: WorkerService, workers: list[LadleWorker]) -> None:
+        """Stop taking jobs; let running ones finish within the timeout; hand back the rest."""
+        service.draining = True
+        for worker in workers:
+            worker.allow_pick_jobs = False
+        logger.info(
+            "draining %d jobs (up to %.0f s)", len(service.jobs), self.settings.shutdown_timeout_s
+        )
+        deadline = time.monotonic() + self.settings.shutdown_timeout_s
+        while (service.jobs or service.num_pending) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        handed = service.hand_back_all()
+        if handed:
+            logger.info("handing %d unfinished jobs back to the queue", len(handed))
+        tasks = [t for w in workers for t in w.tasks.values() if not t.done()]
+        if tasks:
+            await asyncio.wait(tasks, timeout=10)
+
+    def _on_runner_exit(self, runner: asyncio.Task[None]) -> None:
+        """The poll loop never ends by itself: if it does, exit (a supervisor restarts us)
+        rather than heartbeat as a worker that takes no jobs."""
+        if not self._stopping.is_set():
+            exc = None if runner.cancelled() else runner.exception()
+            logger.error("the arq poll loop ended (%r); stopping", exc)
+            self._stopping.set()
+
+    def _record(self, engine: LLMEngine) -> WorkerRecord:
+        stats = engine.stats()
+        return WorkerRecord(
+            worker_id=self.worker_id,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            model=self.settings.model_id,
+            model_source=self.settings.model_name,
+            device=engine.executor.device,
+            dtype=engine.executor.dtype,
+            max_model_len=engine.max_model_len,
+            block_size=stats.block_size,
+            kv_blocks_total=stats.num_blocks_total,
+            kv_bytes_per_block=stats.kv_bytes_per_block,
+        )
+
+    def _serve_metrics(self, metrics: WorkerMetrics) -> None:
+        port = self.settings.worker_metrics_port
+        if not port:
+            return
+        try:
+            start_http_server(port, addr=self.settings.host, registry=metrics.registry)
+            logger.info("worker metrics on http://%s:%d/metrics", self.settings.host, port)
+        except OSError as exc:
+            logger.warning("worker metrics port %d unavailable: %s", port, exc)
+
+
+def _stats(engine: LLMEngine, recorder: WorkerMetricsRecorder):  # noqa: ANN202
+    stats = engine.stats()
+    recorder.observe_stats(stats)
+    return stats
+
+
+async def _connect(settings: Settings) -> ArqRedis:
+    """arq's pool; waits for Redis forever (a worker without Redis has nothing to do)."""
+    return await retry(
+        lambda: create_pool(
+            arq_redis_settings(settings.redis_url),
+            job_serializer=serialize_job,
+            job_deserializer=deserialize_job,
+            default_queue_name=Keys(settings.key_prefix).queue(settings.model_id),
+        ),
+        on=(RedisError, OSError),
+        what=f"connecting to Redis at {safe_url(settings.redis_url)}",
+        backoff=CONNECT_BACKOFF,
+        give_up_after_s=FOREVER,
+    )
