@@ -116,43 +116,11 @@ class LadleWorker(Worker):
                 raise
 
     def admission_capacity(self) -> int:
-        """How many more jobs of this lane to take from its queue now: only what can start
-        soon. Every worker of the process (one per lane) shares the engine and this rule.
-
-        Interactive: at most `worker_max_queued` jobs wait in the engine (or on their way to
-        it: arq has started them, they have not reached the engine yet), and at most
-        `max_batch_size + worker_max_queued` in all, so a worker whose KV cache is full does
-        not hoard jobs an idle worker could run. Batch lines only fill spare capacity: none
-        while anything waits for the engine, and never the last `batch_reserved_seqs`
-        sequence slots (kept for interactive requests)."""
-        if self.service.draining:
-            return 0
+        """Room for more jobs of this lane, counting those arq started that are not yet in
+        the engine (`job_counter` is arq's count of the jobs it started)."""
         service = self.service
         num_starting = max(self.job_counter - len(service.jobs) - service.num_pending, 0)
-        room = self._interactive_room(num_starting)
-        if self.lane == "batch":
-            return min(room, self._batch_room(num_starting))
-        return room
-
-    def _interactive_room(self, num_starting: int) -> int:
-        service, settings = self.service, self.settings
-        num_not_in_engine = service.num_pending + num_starting
-        waiting = service.engine.stats().num_waiting + num_not_in_engine
-        room_in_queue = settings.worker_max_queued - waiting
-        room_in_batch = (
-            settings.max_batch_size
-            + settings.worker_max_queued
-            - len(service.jobs)
-            - num_not_in_engine
-        )
-        return max(0, min(room_in_batch, max(room_in_queue, 0)))
-
-    def _batch_room(self, num_starting: int) -> int:
-        service, settings = self.service, self.settings
-        if service.engine.stats().num_waiting:
-            return 0
-        limit = settings.max_batch_size - settings.batch_reserved_seqs
-        return max(0, limit - len(service.jobs) - service.num_pending - num_starting)
+        return admission_capacity(service, self.lane, num_starting)
 
     async def _not_running(self, job_ids: list[bytes]) -> list[bytes]:
         """Drop the ids of jobs already running, here or elsewhere, before arq's own check.
@@ -213,6 +181,43 @@ class LadleWorker(Worker):
                 message=f"The job failed after {tries} attempts: its worker was lost each time",
             ),
         )
+
+
+def admission_capacity(service: WorkerService, lane: Lane, num_starting: int = 0) -> int:
+    """How many more jobs of `lane` to take from its queue now: only what can start soon.
+    Every arq worker of the process (one per lane) shares the engine and this rule.
+
+    Interactive: at most `worker_max_queued` jobs wait in the engine (or on their way to it:
+    `num_starting` jobs arq has started that have not reached `run_job` yet), and at most
+    `max_batch_size + worker_max_queued` in all, so a worker whose KV cache is full does not
+    hoard jobs an idle worker could run. Batch lines only fill spare capacity: none while
+    anything waits for the engine, and never the last `batch_reserved_seqs` sequence slots
+    (kept for interactive requests)."""
+    if service.draining:
+        return 0
+    room = _interactive_room(service, num_starting)
+    if lane == "batch":
+        return min(room, _batch_room(service, num_starting))
+    return room
+
+
+def _interactive_room(service: WorkerService, num_starting: int) -> int:
+    settings = service.settings
+    num_not_in_engine = service.num_pending + num_starting
+    waiting = service.engine.stats().num_waiting + num_not_in_engine
+    room_in_queue = settings.worker_max_queued - waiting
+    room_in_batch = (
+        settings.max_batch_size + settings.worker_max_queued - len(service.jobs) - num_not_in_engine
+    )
+    return max(0, min(room_in_batch, max(room_in_queue, 0)))
+
+
+def _batch_room(service: WorkerService, num_starting: int) -> int:
+    settings = service.settings
+    if service.engine.stats().num_waiting:
+        return 0
+    limit = settings.max_batch_size - settings.batch_reserved_seqs
+    return max(0, limit - len(service.jobs) - service.num_pending - num_starting)
 
 
 def _running(task: asyncio.Task | None) -> bool:

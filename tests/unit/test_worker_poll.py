@@ -73,22 +73,23 @@ class _Engine:
 
 
 def test_batch_lines_take_only_spare_room() -> None:
+    from worker.arq_adapter import admission_capacity
     from worker.service import WorkerService
 
     settings = Settings(max_batch_size=8, worker_max_queued=2, batch_reserved_seqs=3)
     service = WorkerService.__new__(WorkerService)  # admission needs no engine thread
     service.settings, service.engine, service.draining = settings, _Engine(), False
     service.jobs, service.num_pending = {f"j{i}": object() for i in range(2)}, 0
-    assert service.admission_capacity(0, "interactive") == 2  # worker_max_queued
-    assert service.admission_capacity(0, "batch") == 2  # 8 - 3 reserved - 2 running - ...
-    assert service.admission_capacity(1, "batch") == 1  # ... - 1 being started
+    assert admission_capacity(service, "interactive", 0) == 2  # worker_max_queued
+    assert admission_capacity(service, "batch", 0) == 2  # 8 - 3 reserved - 2 running - ...
+    assert admission_capacity(service, "batch", 1) == 1  # ... - 1 being started
     service.jobs.update({f"k{i}": object() for i in range(3)})
-    assert service.admission_capacity(0, "batch") == 0  # only the reserved slots are left
-    assert service.admission_capacity(0, "interactive") == 2
+    assert admission_capacity(service, "batch", 0) == 0  # only the reserved slots are left
+    assert admission_capacity(service, "interactive", 0) == 2
     service.jobs = {}
     service.engine.num_waiting = 1  # anything waiting for the engine: no batch line
-    assert service.admission_capacity(0, "batch") == 0
-    assert service.admission_capacity(0, "interactive") == 1
+    assert admission_capacity(service, "batch", 0) == 0
+    assert admission_capacity(service, "interactive", 0) == 1
 
 
 def test_each_lane_polls_its_models_own_queue() -> None:
