@@ -15,7 +15,7 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from api import routes_batches, routes_files, routes_jobs, routes_openai, routes_ops
+from api import routes_batches, routes_console, routes_files, routes_jobs, routes_openai, routes_ops
 from api.batch_control import BatchControl
 from api.batch_runner import BatchRunner
 from api.batches import BatchStore
@@ -30,6 +30,7 @@ from api.ratelimit import RATE_LIMIT_HEADERS, RateLimiter
 from api.relay import Relay
 from api.services import Services
 from api.workers import WorkerDirectory
+from shared import tracing
 from shared.config import Settings, get_settings
 from shared.contracts import QUEUED_GRACE_S
 from shared.keys import Keys
@@ -99,6 +100,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        tracing.configure(settings.otel_endpoint, "ladle-api")
         services.tokenizer.preload()
         services.relay.start()
         control = None
@@ -112,6 +114,7 @@ def create_app(
         await services.relay.stop()
         await services.jobs.drain()
         await services.redis.aclose()
+        tracing.shutdown()
 
     app = FastAPI(
         title="Ladle",
@@ -121,7 +124,14 @@ def create_app(
     )
     app.state.services = services
     install_error_handlers(app)
-    for module in (routes_openai, routes_jobs, routes_files, routes_batches, routes_ops):
+    for module in (
+        routes_openai,
+        routes_jobs,
+        routes_files,
+        routes_batches,
+        routes_ops,
+        routes_console,
+    ):
         app.include_router(module.router)
     upload_limit = settings.file_max_bytes + routes_files.UPLOAD_OVERHEAD_BYTES
     app.add_middleware(

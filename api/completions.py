@@ -19,6 +19,7 @@ from api.jobs import new_job_id
 from api.prompting import build_payload, check_context, check_limits, prompt_token_ids
 from api.protocol import URL_TO_ENDPOINT, ChatCompletionRequest, OpenAIRequest
 from api.relay import Subscription
+from api.request_trace import RequestTrace
 from api.services import Services
 from api.streaming import StreamInconsistent, StreamTranslator
 from api.structured import check_request, output_spec, with_tool_format
@@ -122,6 +123,7 @@ async def complete(
 ) -> Response:
     """Serve `/v1/completions` or `/v1/chat/completions`."""
     settings = services.settings
+    received = time.time()
     payload = await prepare_job(
         services,
         body,
@@ -129,6 +131,7 @@ async def complete(
         deadline_s=settings.request_timeout_s,
         priority_range=allowed_priorities(request),
     )
+    trace = RequestTrace(request.url.path, payload, start=received)
     job_id_var.set(payload.id)
     deadline = time.monotonic() + settings.request_timeout_s
     url = next(u for u, e in URL_TO_ENDPOINT.items() if e == payload.endpoint)
@@ -136,25 +139,18 @@ async def complete(
     sub = services.relay.subscribe(payload.id)
     handed_over = False
     try:
-        await services.jobs.submit(payload, url, getattr(request.state, "quota", None))
+        with trace.enqueue():
+            await services.jobs.submit(payload, url, getattr(request.state, "quota", None))
         first = await _race(request, _first_content(sub, settings.first_event_timeout_s), deadline)
+        trace.relay_started()
         if isinstance(first[-1], ErrorEvent):
             raise _job_error(first[-1], payload.id)
-        headers = {"X-Job-Id": payload.id}
         if body.stream:
             handed_over = True
-            stream = _sse(services, sub, ctx, first, deadline)
+            stream = _sse(services, sub, ctx, first, deadline, trace)
+            headers = {"X-Job-Id": payload.id}
             return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
-        acc = Accumulator()
-        for event in first:
-            acc.add(event)
-        await _race(request, _collect(sub, acc), deadline)
-        if acc.error is not None:
-            raise _job_error(acc.error, payload.id)
-        assert acc.done is not None
-        observe_done(services, acc.done)
-        result = build_response(ctx, acc.result(payload.sampling.n), acc.done.usage)
-        return JSONResponse(result, headers=headers)
+        return await _json_response(request, services, sub, ctx, first, deadline, trace)
     except TimeoutError as exc:
         services.jobs.cancel_soon(payload.id)
         raise APIError(504, "The request timed out", code="timeout") from exc
@@ -169,6 +165,30 @@ async def complete(
     finally:
         if not handed_over:
             services.relay.unsubscribe(sub)
+            trace.finish(error="the request ended without a result")
+
+
+async def _json_response(
+    request: Request,
+    services: Services,
+    sub: Subscription,
+    ctx: ResponseContext,
+    first: list[StreamEvent],
+    deadline: float,
+    trace: RequestTrace,
+) -> JSONResponse:
+    """A non-streamed answer: every event of the job, folded into one response object."""
+    acc = Accumulator()
+    for event in first:
+        acc.add(event)
+    await _race(request, _collect(sub, acc), deadline)
+    if acc.error is not None:
+        raise _job_error(acc.error, ctx.job_id)
+    assert acc.done is not None
+    observe_done(services, acc.done)
+    trace.finish(acc.done)
+    result = build_response(ctx, acc.result(ctx.n), acc.done.usage)
+    return JSONResponse(result, headers={"X-Job-Id": ctx.job_id})
 
 
 def allowed_priorities(request: Request) -> tuple[int, int] | None:
@@ -244,6 +264,7 @@ async def _sse(
     ctx: ResponseContext,
     first: list[StreamEvent],
     deadline: float,
+    trace: RequestTrace,
 ) -> AsyncIterator[str]:
     """The SSE body; runs after the headers went out. Cancels the job unless it ended."""
     translator = StreamTranslator(ctx)
@@ -267,8 +288,13 @@ async def _sse(
         yield sse_data("[DONE]")
     finally:
         services.relay.unsubscribe(sub)
+        trace.finish(translator.done, translator.error or _unfinished(translator))
         if not translator.is_terminal and not services.relay.closing:
             services.jobs.cancel_soon(ctx.job_id)
+
+
+def _unfinished(translator: StreamTranslator) -> str | None:
+    return None if translator.is_terminal else "the stream ended before the job did"
 
 
 async def _next_event(sub: Subscription, deadline: float) -> StreamEvent:

@@ -106,6 +106,9 @@ def error_param(loc: tuple[Any, ...] | list[Any]) -> str | None:
     return ".".join(parts) or None
 
 
+_FASTAPI_PREFIXES = (("body",), ("header",), ("query",))
+
+
 def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
     """Turn pydantic's first error into a 400 naming the offending parameter."""
     errors = exc.errors()
@@ -115,7 +118,7 @@ def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
     if first.get("type") == "json_invalid":
         return APIError(400, "Request body is not valid JSON", code="invalid_json")
     loc = tuple(first.get("loc", ()))
-    if isinstance(exc, RequestValidationError) and loc[:1] in (("body",), ("header",)):
+    if isinstance(exc, RequestValidationError) and loc[:1] in _FASTAPI_PREFIXES:
         loc = loc[1:]  # FastAPI's own prefix (our bodies are parsed by `parse_body`)
     param = error_param(loc)
     msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")

@@ -8,10 +8,10 @@ import logging
 import secrets
 import time
 from collections.abc import Coroutine
-from typing import Any
+from typing import Any, get_args
 
 from arq.connections import ArqRedis
-from arq.constants import job_key_prefix
+from arq.constants import in_progress_key_prefix, job_key_prefix
 
 from api.errors import APIError
 from api.ratelimit import Quota, RateLimiter
@@ -52,6 +52,10 @@ redis.call('EXPIRE', KEYS[7], ARGV[3])
     + """return 1
 """
 )
+# Newest job ids kept per API key for `GET /v1/jobs` (the console's list); older ones drop.
+RECENT_JOBS_KEPT = 200
+# Queue entries looked at to tell running jobs from waiting ones (a console poll, 1/s).
+_QUEUE_SCAN = 2000
 
 
 def new_job_id() -> str:
@@ -118,6 +122,11 @@ class JobStore:
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.set(self.keys.job(payload.id), record.model_dump_json(), ex=ttl, nx=only_new)
             pipe.set(self.keys.payload(payload.id), payload.model_dump_json(), ex=ttl, nx=only_new)
+            if not only_new:  # requests and jobs; batch lines are listed by their batch
+                recent = self.keys.recent_jobs(payload.api_key_id)
+                pipe.zadd(recent, {payload.id: payload.created})
+                pipe.zremrangebyrank(recent, 0, -RECENT_JOBS_KEPT - 1)
+                pipe.expire(recent, ttl)
             await pipe.execute()
         job = await self.redis.enqueue_job(
             RUN_COMPLETION,
@@ -174,6 +183,38 @@ class JobStore:
         if record is None or record.api_key_id != api_key_id:
             raise APIError(404, f"No job with id '{job_id}'", param="job_id", code="job_not_found")
         return record
+
+    async def recent(self, api_key_id: str | None, limit: int) -> list[JobRecord]:
+        """The key's newest jobs, newest first; ids whose records expired are dropped."""
+        key = self.keys.recent_jobs(api_key_id)
+        ids = [i.decode() for i in await self.redis.zrevrange(key, 0, limit - 1)]
+        raws = await self.redis.mget([self.keys.job(i) for i in ids]) if ids else []
+        gone = [job_id for job_id, raw in zip(ids, raws, strict=True) if raw is None]
+        if gone:
+            await self.redis.zrem(key, *gone)
+        return [JobRecord.model_validate_json(raw) for raw in raws if raw is not None]
+
+    async def queue_depths(self) -> list[dict[str, Any]]:
+        """Jobs waiting and running in each served model's queue per lane (arq keeps a
+        running job in its queue until it ends: its in-progress key tells them apart)."""
+        models = sorted(m.decode() for m in await self.redis.hkeys(self.keys.models))
+        return [await self._queue_depth(model, lane) for model in models for lane in get_args(Lane)]
+
+    async def _queue_depth(self, model: str, lane: str) -> dict[str, Any]:
+        queue = self.keys.queue(model, lane)
+        ids = await self.redis.zrange(queue, 0, _QUEUE_SCAN - 1)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zcard(queue)
+            for job_id in ids:
+                pipe.exists(in_progress_key_prefix + job_id.decode())
+            total, *running = await pipe.execute()
+        num_running = sum(running)
+        return {
+            "model": model,
+            "lane": lane,
+            "waiting": total - num_running,
+            "running": num_running,
+        }
 
     async def payload(self, job_id: str) -> JobPayload | None:
         raw = await self.redis.get(self.keys.payload(job_id))

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Depends, Header, Request
+from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from api.auth import require_api_key
@@ -21,9 +22,17 @@ from api.errors import APIError
 from api.formatting import build_response, usage_dict
 from api.idempotency import fingerprint, idempotency_key
 from api.protocol import ChatCompletionRequest, CompletionRequest, JobCreateRequest, openapi_body
+from api.ratelimit import Quota
 from api.relay import parse_entry_id
+from api.request_trace import RequestTrace
 from api.services import Services, get_services
-from shared.contracts import FINAL_STATUSES, TERMINAL_EVENT_TYPES, JobRecord, encode_event
+from shared.contracts import (
+    FINAL_STATUSES,
+    TERMINAL_EVENT_TYPES,
+    JobPayload,
+    JobRecord,
+    encode_event,
+)
 from shared.logging import job_id_var
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
@@ -31,8 +40,8 @@ _IDLE_CHECK_S = 2.0
 _ENTRY_ID = re.compile(r"^[0-9]{1,20}(-[0-9]{1,20})?$")
 
 
-async def job_object(services: Services, record: JobRecord) -> dict[str, Any]:
-    """`GET /v1/jobs/{id}`: the record, with the OpenAI response or error when final."""
+def job_summary(record: JobRecord) -> dict[str, Any]:
+    """The record without the response: status, attempts, times, usage, phase timings."""
     obj: dict[str, Any] = {
         "id": record.id,
         "object": "job",
@@ -53,14 +62,32 @@ async def job_object(services: Services, record: JobRecord) -> dict[str, Any]:
     if record.result is not None:
         obj["usage"] = usage_dict(record.result.usage)
         obj["timings"] = record.result.timings.model_dump()
-        payload = await services.jobs.payload(record.id)
-        if payload is not None:
-            ctx = await response_context(services, payload, include_usage=False)
-            obj["response"] = build_response(ctx, record.result.choices, record.result.usage)
     if record.error is not None:
         obj["error"] = APIError.from_event(record.error).body()["error"]
         obj["error"]["status"] = record.error.status
     return obj
+
+
+async def job_object(services: Services, record: JobRecord) -> dict[str, Any]:
+    """`GET /v1/jobs/{id}`: the record, with the OpenAI response or error when final."""
+    obj = job_summary(record)
+    if record.result is not None:
+        payload = await services.jobs.payload(record.id)
+        if payload is not None:
+            ctx = await response_context(services, payload, include_usage=False)
+            obj["response"] = build_response(ctx, record.result.choices, record.result.usage)
+    return obj
+
+
+@router.get("/v1/jobs")
+async def list_jobs(
+    limit: int = Query(20, ge=1, le=100),
+    api_key_id: str | None = Depends(require_api_key),
+    services: Services = Depends(get_services),
+) -> dict:
+    """The caller's newest jobs (sync and streamed requests are jobs too), newest first."""
+    records = await services.jobs.recent(api_key_id, limit)
+    return {"object": "list", "data": [job_summary(r) for r in records]}
 
 
 @router.post("/v1/jobs", status_code=202, openapi_extra=openapi_body(JobCreateRequest))
@@ -75,6 +102,7 @@ async def create_job(
     envelope = await parse_body(request, JobCreateRequest)
     model = CompletionRequest if envelope.url == "/v1/completions" else ChatCompletionRequest
     body = parse_dict({**envelope.body, "stream": False}, model)  # jobs are polled
+    received = time.time()
     payload = await prepare_job(
         services,
         body,
@@ -84,7 +112,7 @@ async def create_job(
     )
     job_id_var.set(payload.id)
     if key is None:
-        record = await services.jobs.submit(payload, envelope.url, request.state.quota)
+        record = await _submit(services, payload, envelope.url, request.state.quota, received)
         return JSONResponse(await job_object(services, record), status_code=202)
     claim = await services.idempotency.claim(
         request.state.quota.policy.bucket,
@@ -99,11 +127,23 @@ async def create_job(
         headers = {"Idempotent-Replayed": "true"}
         return JSONResponse(await job_object(services, record), 202, headers=headers)
     try:
-        record = await services.jobs.submit(payload, envelope.url, request.state.quota)
+        record = await _submit(services, payload, envelope.url, request.state.quota, received)
     except BaseException:
         await services.idempotency.release(claim)
         raise
     return JSONResponse(await job_object(services, record), status_code=202)
+
+
+async def _submit(
+    services: Services, payload: JobPayload, url: str, quota: Quota, received: float
+) -> JobRecord:
+    """Enqueue under the request's span (from `received`); the worker's spans continue it."""
+    trace = RequestTrace("/v1/jobs", payload, start=received)
+    try:
+        with trace.enqueue():
+            return await services.jobs.submit(payload, url, quota)
+    finally:
+        trace.finish()
 
 
 async def _job_exists(services: Services, job_id: str) -> bool:

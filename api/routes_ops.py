@@ -90,9 +90,16 @@ async def workers(services: Services = Depends(get_services)) -> dict:
             "kv_cache_usage": w.kv_blocks_used / w.kv_blocks_total if w.kv_blocks_total else 0.0,
             "running": w.running,
             "waiting": w.waiting,
+            "tokens_per_s": w.tokens_per_s,
             "started_at": w.started_at,
             "heartbeat_at": w.heartbeat_at,
         }
         for w in await services.workers.live()
     ]
     return {"object": "list", "data": data}
+
+
+@router.get("/v1/queues", dependencies=[Depends(require_api_key)])
+async def queues(services: Services = Depends(get_services)) -> dict:
+    """Jobs waiting in each queue (model and lane), for the console's fleet view."""
+    return {"object": "list", "data": await services.jobs.queue_depths()}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -132,6 +132,13 @@ class Settings(BaseSettings):
         if self.priority_min > self.priority_max:
             raise ValueError("priority_min must not be above priority_max")
         return self
+
+    # Observability
+    otel_endpoint: str | None = Field(
+        None,
+        validation_alias=AliasChoices("LLM_OTEL_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"),
+        description="OTLP/HTTP base URL (http://host:4318) for traces; unset: tracing off",
+    )
 
     @field_validator("api_keys", "cors_origins", mode="before")
     @classmethod

@@ -145,6 +145,8 @@ class JobPayload(_Wire):
     request_id: str | None = None
     api_key_id: str | None = None
     created: float = Field(default_factory=time.time)
+    # W3C trace context of the API's request span (shared/tracing.py); None: tracing off.
+    traceparent: str | None = None
 
     @property
     def prompt_param(self) -> str:
@@ -175,12 +177,18 @@ class Usage(BaseModel):
 
 
 class Timings(BaseModel):
-    """Seconds since the epoch for each milestone, plus derived durations."""
+    """Seconds since the epoch for each milestone of the job's last attempt. The phases
+    between them (the console's bar, the trace's spans): queue = queued -> picked (a worker
+    took it), setup = picked -> started (handed to the engine), engine queue = started ->
+    scheduled (first scheduled), prefill = scheduled -> first token, decode = first token ->
+    finished."""
 
     queued_at: float | None = None
     started_at: float | None = None
     first_token_at: float | None = None
     finished_at: float | None = None
+    picked_at: float | None = None
+    scheduled_at: float | None = None
 
 
 class ChoiceEnd(BaseModel):
@@ -271,6 +279,7 @@ class WorkerRecord(_Wire):
     kv_bytes_per_block: int = 0
     running: int = 0
     waiting: int = 0
+    tokens_per_s: float = 0.0  # generated tokens per second since the previous heartbeat
     started_at: float = Field(default_factory=time.time)
     heartbeat_at: float = Field(default_factory=time.time)
 

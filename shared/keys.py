@@ -111,3 +111,7 @@ class Keys:
     def idempotency(self, scope: str, key_hash: str) -> str:
         """String: an `Idempotency-Key`'s claim (the object it created and the body's hash)."""
         return f"{self.prefix}:idem:{scope}:{key_hash}"
+
+    def recent_jobs(self, api_key_id: str | None) -> str:
+        """Sorted set: a key's newest job ids -> created time (the console's job list)."""
+        return f"{self.prefix}:recent:{api_key_id or '-'}"

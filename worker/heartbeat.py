@@ -7,6 +7,7 @@ import logging
 import os
 import socket
 import time
+from collections import deque
 from collections.abc import Callable
 
 from arq.constants import in_progress_key_prefix
@@ -22,6 +23,7 @@ logger = logging.getLogger(__name__)
 
 ARQ_IN_PROGRESS_PREFIX = in_progress_key_prefix  # arq's lease key of a running job
 MODELS_TTL_S = 86_400
+RATE_WINDOW_S = 3.0  # the tokens/s in the worker record is averaged over this long
 
 
 class Heartbeat:
@@ -42,6 +44,7 @@ class Heartbeat:
         job_ids: Callable[[], list[str]],
         status: Callable[[], str],
         restore: Callable[[Pipeline], None] | None = None,
+        generated_tokens: Callable[[], int] | None = None,
     ) -> None:
         self.redis = redis
         self.keys = keys
@@ -52,6 +55,9 @@ class Heartbeat:
         self._job_ids = job_ids
         self._status = status
         self._restore = restore
+        self._generated_tokens = generated_tokens
+        # (monotonic time, tokens generated so far) over the last RATE_WINDOW_S
+        self._samples: deque[tuple[float, int]] = deque()
         self._task: asyncio.Task[None] | None = None
 
     def record(self) -> WorkerRecord:
@@ -64,9 +70,21 @@ class Heartbeat:
                 "kv_bytes_per_block": stats.kv_bytes_per_block,
                 "running": stats.num_running,
                 "waiting": stats.num_waiting,
+                "tokens_per_s": self._tokens_per_s(),
                 "heartbeat_at": time.time(),
             }
         )
+
+    def _tokens_per_s(self) -> float:
+        """Generated tokens per second over the last few seconds (steadier than one beat)."""
+        if self._generated_tokens is None:
+            return 0.0
+        now, count = time.monotonic(), self._generated_tokens()
+        self._samples.append((now, count))
+        while len(self._samples) > 2 and now - self._samples[1][0] >= RATE_WINDOW_S:
+            self._samples.popleft()
+        then, before = self._samples[0]
+        return round((count - before) / (now - then), 1) if now > then else 0.0
 
     async def beat(self) -> None:
         record = self.record()

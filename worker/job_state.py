@@ -54,8 +54,9 @@ class JobState:
         attempt: int,
         prompt_token_ids: list[int],
         loop: asyncio.AbstractEventLoop,
+        picked_at: float | None = None,
     ) -> JobState:
-        timings = Timings(queued_at=payload.created, started_at=time.time())
+        timings = Timings(queued_at=payload.created, started_at=time.time(), picked_at=picked_at)
         choices = [ChoiceState() for _ in range(payload.sampling.n)]
         return cls(payload, attempt, prompt_token_ids, loop.create_future(), choices, timings)
 
@@ -75,7 +76,11 @@ class JobState:
         choice.finish_reason = output.finish_reason or choice.finish_reason
         self.cached_tokens = max(self.cached_tokens, output.num_cached_tokens)
         now = time.time()
-        self.timings.first_token_at = self.timings.first_token_at or now
+        if self.timings.first_token_at is None:
+            self.timings.first_token_at = now
+            if output.first_scheduled_time is not None:  # the engine's clock is monotonic
+                ago = time.monotonic() - output.first_scheduled_time
+                self.timings.scheduled_at = now - max(ago, 0.0)
         self.last_token_at = now
         return DeltaEvent(
             index=output.index,

@@ -11,6 +11,7 @@ class WorkerMetricsRecorder:
     def __init__(self, metrics: WorkerMetrics) -> None:
         self.metrics = metrics
         self._last = EngineStats(0, 0, 0, 0, 0, 0, 0, 0, 0)
+        self.num_generation_tokens = 0  # the heartbeat's tokens/s reads this
 
     def observe_job_started(self, job: JobState) -> None:
         timings = job.timings
@@ -35,6 +36,7 @@ class WorkerMetricsRecorder:
     def observe_steps(self, batches: list[list[SequenceOutput]]) -> None:
         for outputs in batches:
             num_tokens = sum(len(o.new_token_ids) for o in outputs)
+            self.num_generation_tokens += num_tokens
             self.metrics.generation_tokens.inc(num_tokens)
             self.metrics.throughput_tokens.labels(kind="generation").inc(num_tokens)
             self.metrics.batch_size.observe(len(outputs))

@@ -13,6 +13,7 @@ from arq.connections import ArqRedis, create_pool
 from prometheus_client import start_http_server
 from redis.exceptions import RedisError
 
+from shared import tracing
 from shared.config import Settings
 from shared.contracts import WorkerRecord
 from shared.keys import Keys
@@ -41,6 +42,7 @@ class WorkerProcess:
 
     async def run(self) -> None:
         s = self.settings
+        tracing.configure(s.otel_endpoint, "ladle-worker", self.worker_id)
         started = time.perf_counter()
         engine = await asyncio.to_thread(LLMEngine, EngineConfig.from_settings(s))
         tokenizer = await asyncio.to_thread(load_tokenizer, s.model_name, s.cache_dir)
@@ -60,6 +62,7 @@ class WorkerProcess:
             job_ids=lambda: list(service.jobs),
             status=lambda: "draining" if service.draining else "ready",
             restore=service.restore_records,
+            generated_tokens=lambda: recorder.num_generation_tokens,
         )
         heartbeat.start()
         self._serve_metrics(metrics)
@@ -83,6 +86,7 @@ class WorkerProcess:
         await workers[0].close()  # closes the shared pool too: the other worker only waits
         await asyncio.gather(*workers[1].tasks.values(), return_exceptions=True)
         await service.stop()
+        tracing.shutdown()
         logger.info("worker %s stopped", self.worker_id)
 
     async def _drain(self, service: WorkerService, workers: list[LadleWorker]) -> None:

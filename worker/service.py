@@ -35,6 +35,7 @@ from worker.listener import Listener
 from worker.metrics import WorkerMetricsRecorder
 from worker.publisher import Publisher
 from worker.store import JobStore
+from worker.tracing import record_attempt
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,7 @@ class WorkerService:
 
     async def run_job(self, payload: JobPayload, attempt: int) -> str:
         """Run one attempt of a job to its final event; returns the final status."""
+        picked_at = time.time()
         record = await self.store.get(payload.id)
         if record is None or record.status in FINAL_STATUSES:
             return "skipped"
@@ -117,7 +119,7 @@ class WorkerService:
             return "failed"
         finally:
             self.num_pending -= 1
-        job = JobState.create(payload, attempt, prepared.prompt_token_ids, self.loop)
+        job = JobState.create(payload, attempt, prepared.prompt_token_ids, self.loop, picked_at)
         job.record_json = record.model_dump_json()
         self.jobs[payload.id] = job
         if self.metrics:
@@ -143,14 +145,17 @@ class WorkerService:
         except TimeoutError:
             self.engine_thread.abort(job_id)
             outcome = "timeout"
-        except (asyncio.CancelledError, HandBack):
+        except (asyncio.CancelledError, HandBack) as exc:
             self.engine_thread.abort(job_id)
             self.jobs.pop(job_id, None)
+            record_attempt(job, self.worker_id, type(exc).__name__)
             raise
+        publish_started = time.time()
         try:  # still listed while its final write waits out Redis: the heartbeat restores it
             await self._finish_outcome(record, job, outcome)
         finally:
             self.jobs.pop(job_id, None)
+        record_attempt(job, self.worker_id, outcome, (publish_started, time.time()))
         return record.status
 
     async def _finish_outcome(self, record: JobRecord, job: JobState, outcome: str) -> None:

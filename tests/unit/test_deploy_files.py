@@ -20,7 +20,15 @@ def _load(path: str) -> dict:
 
 def test_compose_services() -> None:
     services = _load("docker-compose.yml")["services"]
-    assert set(services) == {"redis", "api", "worker", "worker-fp32", "prometheus"}
+    assert set(services) == {
+        "redis",
+        "api",
+        "worker",
+        "worker-fp32",
+        "prometheus",
+        "grafana",
+        "jaeger",
+    }
     assert services["redis"]["image"] == "redis:7"
     assert services["redis"]["command"][1:] == ["--appendonly", "yes", "--appendfsync", "everysec"]
     for name in ("api", "worker", "worker-fp32"):
@@ -41,6 +49,20 @@ def test_compose_services() -> None:
         "./deploy/prometheus.yml:/etc/prometheus/prometheus.yml:ro"
         in (services["prometheus"]["volumes"])
     )
+
+
+def test_grafana_is_provisioned_with_the_dashboard_and_prometheus() -> None:
+    services = _load("docker-compose.yml")["services"]
+    mounts = {v.split(":")[0]: v.split(":")[1] for v in services["grafana"]["volumes"]}
+    folder = _load("deploy/grafana/dashboards.yml")["providers"][0]["options"]["path"]
+    assert mounts["./deploy/grafana-dashboard.json"].startswith(folder + "/")
+    sources = _load("deploy/grafana/datasources.yml")["datasources"]
+    assert sources == [source := sources[0]] and source["type"] == "prometheus"
+    assert source["url"] == "http://prometheus:9090" and source["isDefault"] is True
+    for path in ("./deploy/grafana/datasources.yml", "./deploy/grafana/dashboards.yml"):
+        assert mounts[path].startswith("/etc/grafana/provisioning/")
+    assert services["jaeger"]["profiles"] == ["tracing"]
+    assert "4318:4318" in services["jaeger"]["ports"]
 
 
 def test_compose_env_names_are_settings() -> None:

@@ -55,6 +55,7 @@ class SequenceOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
+    first_scheduled_time: float | None = None  # time.monotonic() of its first step
 
     @property
     def finished(self) -> bool:
@@ -300,6 +301,7 @@ class LLMEngine:
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
             num_cached_tokens=request.num_cached_tokens,
+            first_scheduled_time=request.first_scheduled_time,
         )
 
     def _take_tokens(
