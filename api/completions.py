@@ -7,6 +7,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -145,12 +146,12 @@ async def complete(
         trace.relay_started()
         if isinstance(first[-1], ErrorEvent):
             raise _job_error(first[-1], payload.id)
+        answer = _Answer(services, sub, ctx, first, deadline, trace)
         if body.stream:
             handed_over = True
-            stream = _sse(services, sub, ctx, first, deadline, trace)
             headers = {"X-Job-Id": payload.id}
-            return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
-        return await _json_response(request, services, sub, ctx, first, deadline, trace)
+            return StreamingResponse(_sse(answer), media_type="text/event-stream", headers=headers)
+        return await _json_response(request, answer)
     except TimeoutError as exc:
         services.jobs.cancel_soon(payload.id)
         raise APIError(504, "The request timed out", code="timeout") from exc
@@ -168,25 +169,29 @@ async def complete(
             trace.finish(error="the request ended without a result")
 
 
-async def _json_response(
-    request: Request,
-    services: Services,
-    sub: Subscription,
-    ctx: ResponseContext,
-    first: list[StreamEvent],
-    deadline: float,
-    trace: RequestTrace,
-) -> JSONResponse:
+@dataclass
+class _Answer:
+    """What answering a request needs once its job's first events are in."""
+
+    services: Services
+    sub: Subscription
+    ctx: ResponseContext
+    first: list[StreamEvent]
+    deadline: float
+    trace: RequestTrace
+
+
+async def _json_response(request: Request, answer: _Answer) -> JSONResponse:
     """A non-streamed answer: every event of the job, folded into one response object."""
-    acc = Accumulator()
-    for event in first:
+    acc, ctx = Accumulator(), answer.ctx
+    for event in answer.first:
         acc.add(event)
-    await _race(request, _collect(sub, acc), deadline)
+    await _race(request, _collect(answer.sub, acc), answer.deadline)
     if acc.error is not None:
         raise _job_error(acc.error, ctx.job_id)
     assert acc.done is not None
-    observe_done(services, acc.done)
-    trace.finish(acc.done)
+    observe_done(answer.services, acc.done)
+    answer.trace.finish(acc.done)
     result = build_response(ctx, acc.result(ctx.n), acc.done.usage)
     return JSONResponse(result, headers={"X-Job-Id": ctx.job_id})
 
@@ -258,20 +263,14 @@ def observe_done(services: Services, done: DoneEvent) -> None:
         metrics.e2e_latency.observe(max(0.0, t.finished_at - t.queued_at))
 
 
-async def _sse(
-    services: Services,
-    sub: Subscription,
-    ctx: ResponseContext,
-    first: list[StreamEvent],
-    deadline: float,
-    trace: RequestTrace,
-) -> AsyncIterator[str]:
+async def _sse(answer: _Answer) -> AsyncIterator[str]:
     """The SSE body; runs after the headers went out. Cancels the job unless it ended."""
-    translator = StreamTranslator(ctx)
+    services, sub, deadline = answer.services, answer.sub, answer.deadline
+    translator = StreamTranslator(answer.ctx)
     try:
         for chunk in translator.start():
             yield sse_data(chunk)
-        pending = list(first)
+        pending = list(answer.first)
         while not translator.is_terminal:
             event = pending.pop(0) if pending else await _next_event(sub, deadline)
             for chunk in translator.on_event(event):
@@ -288,9 +287,9 @@ async def _sse(
         yield sse_data("[DONE]")
     finally:
         services.relay.unsubscribe(sub)
-        trace.finish(translator.done, translator.error or _unfinished(translator))
+        answer.trace.finish(translator.done, translator.error or _unfinished(translator))
         if not translator.is_terminal and not services.relay.closing:
-            services.jobs.cancel_soon(ctx.job_id)
+            services.jobs.cancel_soon(answer.ctx.job_id)
 
 
 def _unfinished(translator: StreamTranslator) -> str | None:
