@@ -194,10 +194,9 @@ class JobStore:
             await self.redis.zrem(key, *gone)
         return [JobRecord.model_validate_json(raw) for raw in raws if raw is not None]
 
-    async def queue_depths(self) -> list[dict[str, Any]]:
-        """Jobs waiting and running in each served model's queue per lane (arq keeps a
-        running job in its queue until it ends: its in-progress key tells them apart)."""
-        models = sorted(m.decode() for m in await self.redis.hkeys(self.keys.models))
+    async def queue_depths(self, models: list[str]) -> list[dict[str, Any]]:
+        """Jobs waiting and running in each model's queue per lane (arq keeps a running job
+        in its queue until it ends: its in-progress key tells them apart)."""
         return [await self._queue_depth(model, lane) for model in models for lane in get_args(Lane)]
 
     async def _queue_depth(self, model: str, lane: str) -> dict[str, Any]:

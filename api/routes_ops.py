@@ -61,9 +61,8 @@ async def metrics(services: Services = Depends(get_services)) -> Response:
 
 async def _observe_lanes(services: Services) -> None:
     """Queue depth of every known model's lanes; llm_pending_requests sums the interactive."""
-    models = set(await services.workers.known()) | {services.settings.model_id}
     num_interactive = 0
-    for model in sorted(models):
+    for model in await _known_models(services):
         for lane in ("interactive", "batch"):
             depth = await services.jobs.queue_depth(model, lane)
             services.metrics.lane_queue_depth.labels(model=model, lane=lane).set(depth)
@@ -102,4 +101,12 @@ async def workers(services: Services = Depends(get_services)) -> dict:
 @router.get("/v1/queues", dependencies=[Depends(require_api_key)])
 async def queues(services: Services = Depends(get_services)) -> dict:
     """Jobs waiting in each queue (model and lane), for the console's fleet view."""
-    return {"object": "list", "data": await services.jobs.queue_depths()}
+    return {
+        "object": "list",
+        "data": await services.jobs.queue_depths(await _known_models(services)),
+    }
+
+
+async def _known_models(services: Services) -> list[str]:
+    """Models served now or lately, and the default one: the queues worth reporting."""
+    return sorted(set(await services.workers.known()) | {services.settings.model_id})

@@ -64,6 +64,6 @@ function fillCard(card, w, now) {
 
 function renderQueues(queues) {
   $("fleet-queues").replaceChildren(...queues.map((q) => el("tr", { dataset: { model: q.model, lane: q.lane } },
-    el("td", {}, q.model === "*" ? "all models" : q.model), el("td", {}, q.lane),
+    el("td", {}, q.model), el("td", {}, q.lane),
     el("td", { class: "num" }, String(q.waiting)), el("td", { class: "num" }, String(q.running)))));
 }

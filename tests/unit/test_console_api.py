@@ -81,7 +81,7 @@ async def test_queue_depths_tell_waiting_from_running_jobs() -> None:
             assert (
                 await h.client.post("/v1/jobs", json={"url": "/v1/chat/completions", "body": CHAT})
             ).status_code == 202
-        queued = [m.decode() for m in await h.redis.zrange(h.keys.queue, 0, -1)]
+        queued = [m.decode() for m in await h.redis.zrange(h.keys.queue("test-model"), 0, -1)]
         await h.redis.set(in_progress_key_prefix + queued[0], b"1", px=5000)
         try:
             body = (await h.client.get("/v1/queues")).json()
@@ -89,7 +89,10 @@ async def test_queue_depths_tell_waiting_from_running_jobs() -> None:
             await h.redis.delete(in_progress_key_prefix + queued[0])
         assert body == {
             "object": "list",
-            "data": [{"model": "*", "lane": "interactive", "waiting": 2, "running": 1}],
+            "data": [
+                {"model": "test-model", "lane": "interactive", "waiting": 2, "running": 1},
+                {"model": "test-model", "lane": "batch", "waiting": 0, "running": 0},
+            ],
         }
 
 
