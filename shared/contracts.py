@@ -279,7 +279,7 @@ class WorkerRecord(_Wire):
     kv_bytes_per_block: int = 0
     running: int = 0
     waiting: int = 0
-    tokens_per_s: float = 0.0  # generated tokens per second since the previous heartbeat
+    tokens_per_s: float = 0.0  # generated tokens per second over the last few seconds
     started_at: float = Field(default_factory=time.time)
     heartbeat_at: float = Field(default_factory=time.time)
 

@@ -90,6 +90,7 @@ def test_console_chat_fleet_and_jobs(console_service: Service, shots: Path) -> N
         fleet.wait_for_selector(".card:not([data-kv-used='0'])")
         width = fleet.eval_on_selector(".card .bar-fill", "e => parseFloat(e.style.width)")
         assert width > 0
+        fleet.wait_for_selector("[data-field='tokens_per_s']:not(:text-is('0.0'))")
         fleet.screenshot(path=str(shots / "console-fleet.png"))
         chat.wait_for_selector(".msg.assistant .stats[data-finish]")
         final_text = chat.text_content(".msg.assistant .text") or ""

@@ -44,7 +44,7 @@ async def take_job(redis: object, keys: Keys) -> JobPayload:
     """What arq does: pop the queue, read the job's payload."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        popped = await redis.zpopmin(keys.queue)  # type: ignore[attr-defined]
+        popped = await redis.zpopmin(keys.queue(MODEL))  # type: ignore[attr-defined]
         if popped:
             raw = await redis.get(job_key_prefix + popped[0][0].decode())  # type: ignore[attr-defined]
             return JobPayload.model_validate_json(deserialize_job(raw)["a"][0])
@@ -64,13 +64,25 @@ async def run_two_attempts(service: WorkerService, payload: JobPayload) -> str:
     assert service.hand_back_all() == [payload.id]
     with pytest.raises(HandBack):
         await first
+    await engine_forgot(service, payload.id)
     return await service.run_job(payload, 2)
+
+
+async def engine_forgot(service: WorkerService, request_id: str) -> None:
+    """Wait until the aborted attempt is out of the engine and its last outputs are through
+    the publisher: a retry runs elsewhere or later, never into the old attempt's tail."""
+    deadline = time.monotonic() + 30
+    quiet = 0
+    while quiet < 3 and time.monotonic() < deadline:
+        busy = request_id in service.engine.request_ids() or not service._outputs.empty()
+        quiet = 0 if busy else quiet + 1
+        await asyncio.sleep(0.01)
 
 
 async def test_one_trace_spans_api_and_worker_across_a_retry(
     exporter: InMemorySpanExporter, tiny_service_model: Path
 ) -> None:
-    settings = make_settings(model_name=str(tiny_service_model))
+    settings = make_settings(model_name=str(tiny_service_model), served_model_name=MODEL)
     keys = Keys(settings.key_prefix)
     redis = make_redis(settings, keys)
     app = create_app(settings, redis=redis, tokenizer_loader=lambda s: load_tokenizer(s.model_name))
@@ -91,7 +103,10 @@ async def test_one_trace_spans_api_and_worker_across_a_retry(
     try:
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
             request = asyncio.create_task(client.post("/v1/chat/completions", json=body))
-            status = await run_two_attempts(service, await take_job(redis, keys))
+            taken = asyncio.create_task(take_job(redis, keys))
+            await asyncio.wait({request, taken}, return_when=asyncio.FIRST_COMPLETED)
+            assert not request.done(), request.result().text
+            status = await run_two_attempts(service, await taken)
             response = await request
     finally:
         await service.stop()
