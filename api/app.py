@@ -85,6 +85,9 @@ def build_services(
     )
 
 
+ROUTERS = (routes_openai, routes_jobs, routes_files, routes_batches, routes_ops, routes_console)
+
+
 def create_app(
     settings: Settings | None = None,
     *,
@@ -124,14 +127,7 @@ def create_app(
     )
     app.state.services = services
     install_error_handlers(app)
-    for module in (
-        routes_openai,
-        routes_jobs,
-        routes_files,
-        routes_batches,
-        routes_ops,
-        routes_console,
-    ):
+    for module in ROUTERS:
         app.include_router(module.router)
     upload_limit = settings.file_max_bytes + routes_files.UPLOAD_OVERHEAD_BYTES
     app.add_middleware(
