@@ -74,7 +74,7 @@ async def engine_forgot(service: WorkerService, request_id: str) -> None:
     deadline = time.monotonic() + 30
     quiet = 0
     while quiet < 3 and time.monotonic() < deadline:
-        busy = request_id in service.engine.request_ids() or not service._outputs.empty()
+        busy = request_id in service.engine.request_ids() or not service.publisher._outputs.empty()
         quiet = 0 if busy else quiet + 1
         await asyncio.sleep(0.01)
 
