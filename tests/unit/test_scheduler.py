@@ -41,8 +41,16 @@ _made: list[Scheduler] = []
 
 
 def make_scheduler(num_blocks: int = 16, caching: bool = True, **config: int | bool) -> Scheduler:
+    limits = {
+        "max_num_seqs": 64,
+        "max_num_batched_tokens": 1024,
+        "max_model_len": 8192,
+        "num_speculative_tokens": 0,
+        "speculative_max_ngram": 3,
+    }
     scheduler = Scheduler(
-        SchedulerConfig(**config), BlockManager(num_blocks, BS, enable_prefix_caching=caching)
+        SchedulerConfig(**{**limits, **config}),  # type: ignore[arg-type]
+        BlockManager(num_blocks, BS, enable_prefix_caching=caching),
     )
     _made.append(scheduler)
     return scheduler

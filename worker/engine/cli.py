@@ -6,10 +6,16 @@ import argparse
 import logging
 import sys
 import time
+from typing import get_args
 
+from shared.config import Settings, apply_openmp_defaults
 from worker.engine.config import EngineConfig
-from worker.engine.offline import LLM
 from worker.engine.sampling_params import SamplingParams
+
+
+def _choices(name: str) -> tuple[str, ...]:
+    """The values a Literal setting allows, as declared in `Settings`."""
+    return get_args(Settings.model_fields[name].annotation)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,14 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--n", type=int, default=1)
-    parser.add_argument(
-        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
-    )
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--dtype", default=EngineConfig.dtype, choices=_choices("dtype"))
+    parser.add_argument("--device", default=EngineConfig.device, choices=_choices("device"))
     parser.add_argument(
         "--quantization",
-        default="none",
-        choices=["none", "int8", "int4"],
+        default=EngineConfig.quantization,
+        choices=_choices("quantization"),
         help="weight-only quantized projections (CPU)",
     )
     parser.add_argument("--kv-cache-size-mb", type=int, default=EngineConfig.kv_cache_size_mb)
@@ -61,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    apply_openmp_defaults()  # before torch loads (the engine imports it)
+    from worker.engine.offline import LLM
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     prompts = args.prompt or [sys.stdin.read()]
     started = time.perf_counter()

@@ -1,50 +1,54 @@
-"""Engine configuration: the subset of settings the engine needs, usable without Redis."""
+"""Engine configuration: the settings the engine needs, under the engine's names.
+
+`Settings` (`shared/config.py`) declares every value, its range and its default once. The
+defaults here are read from those declarations, and `from_settings` copies a Settings
+object field by field, so the offline engine and the worker start from the same values.
+A new engine setting is a field on `Settings` and one `_setting()` line here;
+`tests/unit/test_config.py` fails on a field that is here and not there.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 from shared.config import Settings
+
+# EngineConfig name -> Settings name, where they differ (the engine keeps vLLM's names).
+SETTING_NAMES = {"model": "model_name", "max_num_seqs": "max_batch_size"}
+
+
+def _setting(name: str) -> Any:
+    """A dataclass field whose default is the Settings field's declared default."""
+    info = Settings.model_fields[SETTING_NAMES.get(name, name)]
+    if info.default_factory is not None:
+        return field(default_factory=info.default_factory)  # type: ignore[arg-type]
+    return field(default=info.default)
 
 
 @dataclass
 class EngineConfig:
-    model: str = "SmolLM2-135M-Instruct"
-    dtype: str = "auto"
-    quantization: str = "none"
-    device: str = "auto"
-    block_size: int = 16
-    kv_cache_size_mb: int = 512
-    kv_cache_gpu_fraction: float | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 1024
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    cache_dir: str | None = None
-    num_threads: int | None = None
-    decode_threads: int | None = None
-    cuda_graphs: bool = True
-    speculative_ngram: int = 0
-    speculative_ngram_size: int = 3
+    model: str = _setting("model")
+    dtype: str = _setting("dtype")
+    quantization: str = _setting("quantization")
+    device: str = _setting("device")
+    block_size: int = _setting("block_size")
+    kv_cache_size_mb: int = _setting("kv_cache_size_mb")
+    kv_cache_gpu_fraction: float | None = _setting("kv_cache_gpu_fraction")
+    max_num_seqs: int = _setting("max_num_seqs")
+    max_num_batched_tokens: int = _setting("max_num_batched_tokens")
+    max_model_len: int | None = _setting("max_model_len")
+    enable_prefix_caching: bool = _setting("enable_prefix_caching")
+    cache_dir: str | None = _setting("cache_dir")
+    num_threads: int | None = _setting("num_threads")
+    decode_threads: int | None = _setting("decode_threads")
+    cuda_graphs: bool = _setting("cuda_graphs")
+    speculative_ngram: int = _setting("speculative_ngram")
+    speculative_ngram_size: int = _setting("speculative_ngram_size")
 
     @classmethod
     def from_settings(cls, settings: Settings) -> EngineConfig:
+        """The worker's engine configuration: every field from `settings`."""
         return cls(
-            model=settings.model_name,
-            dtype=settings.dtype,
-            quantization=settings.quantization,
-            device=settings.device,
-            block_size=settings.block_size,
-            kv_cache_size_mb=settings.kv_cache_size_mb,
-            kv_cache_gpu_fraction=settings.kv_cache_gpu_fraction,
-            max_num_seqs=settings.max_batch_size,
-            max_num_batched_tokens=settings.max_num_batched_tokens,
-            max_model_len=settings.max_model_len,
-            enable_prefix_caching=settings.enable_prefix_caching,
-            cache_dir=settings.cache_dir,
-            num_threads=settings.num_threads,
-            decode_threads=settings.decode_threads,
-            cuda_graphs=settings.cuda_graphs,
-            speculative_ngram=settings.speculative_ngram,
-            speculative_ngram_size=settings.speculative_ngram_size,
+            **{f.name: getattr(settings, SETTING_NAMES.get(f.name, f.name)) for f in fields(cls)}
         )

@@ -26,13 +26,15 @@ from worker.engine.request import Request, RequestStatus
 
 @dataclass
 class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 1024
-    max_model_len: int = 8192
-    enable_chunked_prefill: bool = True
+    """The engine's limits (from `EngineConfig`, itself from `Settings`: no defaults here)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
     # Draft tokens per decode step from n-gram prompt lookup (0: no speculation).
-    num_speculative_tokens: int = 0
-    speculative_max_ngram: int = 3
+    num_speculative_tokens: int
+    speculative_max_ngram: int
+    enable_chunked_prefill: bool = True
 
 
 @dataclass

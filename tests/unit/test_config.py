@@ -1,0 +1,74 @@
+"""Settings flow one way: `Settings` -> `EngineConfig`, with no second set of defaults."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from pathlib import Path
+
+from shared.config import Settings
+from worker.engine.config import SETTING_NAMES, EngineConfig
+from worker.engine.scheduler import SchedulerConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _setting_name(name: str) -> str:
+    return SETTING_NAMES.get(name, name)
+
+
+def test_every_engine_field_is_a_setting_with_the_same_default() -> None:
+    defaults = EngineConfig()
+    for f in dataclasses.fields(EngineConfig):
+        info = Settings.model_fields[_setting_name(f.name)]
+        assert getattr(defaults, f.name) == info.get_default(call_default_factory=True), f.name
+
+
+def test_from_settings_copies_every_field() -> None:
+    settings = Settings(
+        model_name="/models/x",
+        max_batch_size=7,
+        block_size=32,
+        kv_cache_size_mb=99,
+        num_threads=3,
+        cuda_graphs=False,
+        enable_prefix_caching=False,
+        cache_dir="/tmp/c",
+    )
+    config = EngineConfig.from_settings(settings)
+    for f in dataclasses.fields(EngineConfig):
+        assert getattr(config, f.name) == getattr(settings, _setting_name(f.name)), f.name
+    assert (config.model, config.max_num_seqs, config.block_size) == ("/models/x", 7, 32)
+
+
+def test_the_scheduler_has_no_defaults_of_its_own_for_engine_settings() -> None:
+    required = {
+        f.name for f in dataclasses.fields(SchedulerConfig) if f.default is dataclasses.MISSING
+    }
+    assert {"max_num_seqs", "max_num_batched_tokens", "max_model_len"} <= required
+
+
+def _environment_users(path: Path) -> list[str]:
+    """`os.environ` / `os.getenv` / `os.putenv` uses in a file."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "putenv"):
+            if isinstance(node.value, ast.Name) and node.value.id == "os":
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    return found
+
+
+# Where the environment may be read or written: settings, and the supervisor, which hands
+# its own environment to the processes it starts.
+ENVIRONMENT_ALLOWED = {"shared/config.py", "shared/launcher.py"}
+
+
+def test_no_environment_reads_or_writes_outside_settings() -> None:
+    found = [
+        use
+        for top in ("api", "worker", "shared")
+        for path in sorted((ROOT / top).rglob("*.py"))
+        if str(path.relative_to(ROOT)) not in ENVIRONMENT_ALLOWED
+        for use in _environment_users(path)
+    ]
+    assert found == []
