@@ -239,9 +239,10 @@ def test_batch_lines_are_preempted_before_any_interactive_request() -> None:
     chat = make_request("chat", 7, arrival=1, priority=10, max_tokens=4, first_token=100)
     scheduler.add_request(line)
     scheduler.add_request(chat)
-    # The interactive request is scheduled first despite a worse priority and a later arrival.
-    assert shape(step(scheduler)[0]) == [("chat", 0, 7, True), ("line", 0, 7, True)]
-    step(scheduler)
+    # The interactive request goes first despite a worse priority and a later arrival (its
+    # prompt alone), then the line joins.
+    assert shape(step(scheduler)[0]) == [("chat", 0, 7, True)]
+    assert shape(step(scheduler)[0]) == [("chat", 7, 1, True), ("line", 0, 7, True)]
     output, _ = step(scheduler)  # both need a third block: the batch line gives way
     assert output.preempted_request_ids == ["line"]
     assert shape(output) == [("chat", 8, 1, True)]
@@ -493,3 +494,26 @@ def test_drafts_never_exceed_max_tokens_budget_or_free_blocks() -> None:
     output = scheduler.schedule()
     assert output.chunks[0].draft_token_ids == [] and not output.preempted_request_ids
     scheduler.finish_request("b", RequestStatus.FINISHED_LENGTH)
+
+
+def test_batch_lines_sit_out_steps_while_an_interactive_prompt_is_computed() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=8)
+    scheduler.add_request(make_request("line", 3, arrival=0, max_tokens=6, lane="batch"))
+    step(scheduler)  # the line's prefill
+    assert shape(step(scheduler)[0]) == [("line", 3, 1, True)]  # decoding alone
+    scheduler.add_request(make_request("chat", 12, arrival=1, max_tokens=2, first_token=100))
+    # The interactive prompt (12 tokens, chunked 8 + 4) runs in steps of its own ...
+    assert shape(step(scheduler)[0]) == [("chat", 0, 8, False)]
+    assert shape(step(scheduler)[0]) == [("chat", 8, 4, True)]
+    # ... then the batch line decodes again, after the interactive decode.
+    assert shape(step(scheduler)[0]) == [("chat", 12, 1, True), ("line", 4, 1, True)]
+
+
+def test_a_held_batch_line_gives_its_blocks_to_an_interactive_request() -> None:
+    scheduler = make_scheduler(num_blocks=4)
+    scheduler.add_request(make_request("line", 11, arrival=0, max_tokens=3, lane="batch"))
+    step(scheduler)  # the line holds 3 of the 4 blocks
+    scheduler.add_request(make_request("chat", 7, arrival=1, max_tokens=2, first_token=100))
+    output, _ = step(scheduler)
+    assert output.preempted_request_ids == ["line"]
+    assert shape(output) == [("chat", 0, 7, True)]

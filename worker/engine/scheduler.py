@@ -8,7 +8,8 @@ is set back to what was kept and the blocks past it are freed. Running requests 
 in (lane, priority, arrival) order, interactive requests before batch lines; when blocks
 run out the worst running request (a batch line while any runs) is preempted by
 recompute. Waiting requests are then admitted in strict (lane, priority, arrival) order
-while the token budget and `max_num_seqs` allow.
+while the token budget and `max_num_seqs` allow. While an interactive request's prompt is
+not yet computed, batch lines sit the step out (they keep their KV blocks).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class Scheduler:
         self._seq: dict[str, int] = {}
         self._next_seq = 0
         self._finished_ids: list[str] = []
+        self._hold_batch = False
         self.proposer: NgramProposer | None = None
         if config.num_speculative_tokens > 0:
             self.proposer = NgramProposer(
@@ -155,9 +157,10 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted_ids: list[str] = []
+        self._hold_batch = self._interactive_prompt_pending()
         budget = self._schedule_running(budget, chunks, preempted_ids)
         if not preempted_ids:
-            self._schedule_waiting(budget, chunks)
+            self._schedule_waiting(budget, chunks, preempted_ids)
         decodes = [chunk for chunk in chunks if chunk.is_decode]
         prefills = [chunk for chunk in chunks if not chunk.is_decode]
         finished_ids, self._finished_ids = self._finished_ids, []
@@ -167,12 +170,24 @@ class Scheduler:
             finished_request_ids=finished_ids,
         )
 
+    def _interactive_prompt_pending(self) -> bool:
+        """An interactive request still has prompt tokens to compute (its first token is not
+        out yet): batch lines sit this step out, so it runs in a step of interactive
+        sequences only and its time to first token does not grow with the batch lane."""
+        if self.waiting and self.waiting[0].lane != "batch":
+            return True
+        return any(
+            r.lane != "batch" and r.num_computed_tokens < r.num_prompt_tokens for r in self.running
+        )
+
     def _schedule_running(
         self, budget: int, chunks: list[ScheduledChunk], preempted_ids: list[str]
     ) -> int:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if self._hold_batch and request.lane == "batch":
+                break  # the running list is sorted: only batch lines are left
             if self._exceeds_cache(request):
                 self.finish_request(request.request_id, RequestStatus.FINISHED_LENGTH)
                 continue
@@ -202,10 +217,14 @@ class Scheduler:
                 index += 1
         return budget
 
-    def _schedule_waiting(self, budget: int, chunks: list[ScheduledChunk]) -> None:
+    def _schedule_waiting(
+        self, budget: int, chunks: list[ScheduledChunk], preempted_ids: list[str]
+    ) -> None:
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if self._hold_batch and request.lane == "batch":
+                break
             if self._exceeds_cache(request):
                 self.finish_request(request.request_id, RequestStatus.FINISHED_LENGTH)
                 continue
@@ -216,12 +235,23 @@ class Scheduler:
             if num_new == 0 or not bm.allocate_slots(request, num_new):
                 bm.free(request.request_id)
                 request.num_computed_tokens = 0
+                if num_new and self._hold_batch and self._preempt_batch_tail(preempted_ids):
+                    continue  # a batch line gave its blocks to the interactive request
                 break  # strict FCFS: nobody overtakes the head of the queue
             self.waiting.pop(0)
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=self._order_key)
             chunks.append(self._make_chunk(request, num_new))
             budget -= num_new
+
+    def _preempt_batch_tail(self, preempted_ids: list[str]) -> bool:
+        """Preempt the last running batch line (held, so not in this step), if any."""
+        if not self.running or self.running[-1].lane != "batch":
+            return False
+        victim = self.running[-1]
+        self._preempt(victim)
+        preempted_ids.append(victim.request_id)
+        return True
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         """Tokens to compute this step; 0 when an unchunked prefill does not fit whole.
