@@ -6,12 +6,14 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import JSONResponse
 
 from api.auth import require_api_key
 from api.batch_runner import ControlQueue
 from api.completions import allowed_priorities, parse_body
 from api.errors import APIError
 from api.files import list_object
+from api.idempotency import fingerprint, idempotency_key
 from api.protocol import BatchCreateRequest, openapi_body
 from api.routes_files import owner_of
 from api.services import Services, get_services
@@ -25,14 +27,48 @@ async def create_batch(
     request: Request,
     api_key_id: str | None = Depends(require_api_key),
     services: Services = Depends(get_services),
-) -> dict[str, Any]:
+) -> JSONResponse:
+    """Create a batch. With `Idempotency-Key`, the same key and body give back the first
+    batch (`Idempotent-Replayed: true`) and another body a 409."""
+    key = idempotency_key(request)
+    record = await _new_batch(request, services, owner_of(api_key_id))
+    if key is None:
+        return JSONResponse(await _start(services, record))
+    claim = await services.idempotency.claim(
+        request.state.quota.policy.bucket,
+        key,
+        fingerprint(await request.body()),
+        record.id,
+        exists=lambda batch_id: _batch_exists(services, batch_id),
+    )
+    if claim.existing_id is not None:
+        existing = await services.batches.get_owned(claim.existing_id, record.owner)
+        return JSONResponse(existing.public(), headers={"Idempotent-Replayed": "true"})
+    try:
+        return JSONResponse(await _start(services, record))
+    except BaseException:
+        await services.idempotency.release(claim)
+        raise
+
+
+async def _batch_exists(services: Services, batch_id: str) -> bool:
+    return await services.batches.get(batch_id) is not None
+
+
+async def _start(services: Services, record: BatchRecord) -> dict[str, Any]:
+    await services.batches.create(record)
+    await ControlQueue(services).expand(record.id, 0)
+    return record.public()
+
+
+async def _new_batch(request: Request, services: Services, owner: str) -> BatchRecord:
+    """The batch a valid request describes (not stored yet); 400/404 for a bad one."""
     body = await parse_body(request, BatchCreateRequest)
-    owner = owner_of(api_key_id)
     input_file = await services.files.get(body.input_file_id, owner)
     if input_file.purpose != "batch":
         raise APIError(400, 'The input file\'s purpose must be "batch"', param="input_file_id")
     now = int(time.time())
-    record = BatchRecord(
+    return BatchRecord(
         id=new_batch_id(),
         endpoint=body.endpoint,
         input_file_id=body.input_file_id,
@@ -43,9 +79,6 @@ async def create_batch(
         owner=owner,
         priority_range=allowed_priorities(request),
     )
-    await services.batches.create(record)
-    await ControlQueue(services).expand(record.id, 0)
-    return record.public()
 
 
 @router.get("/v1/batches/{batch_id}")

@@ -124,6 +124,7 @@ class Settings(BaseSettings):
     batch_reserved_seqs: int = Field(
         8, ge=0, description="sequence slots a worker never fills with batch lines"
     )
+    batch_max_seqs: int = Field(16, ge=1, description="batch lines a worker runs at once")
     file_max_bytes: int = Field(50_000_000, ge=1024, description="largest upload to /v1/files")
     file_ttl_s: int = Field(30 * 86_400, ge=60, description="how long files stay in Redis")
     batch_max_lines: int = Field(50_000, ge=1, description="most lines in one batch input file")

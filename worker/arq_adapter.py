@@ -191,8 +191,9 @@ def admission_capacity(service: WorkerService, lane: Lane, num_starting: int = 0
     `num_starting` jobs arq has started that have not reached `run_job` yet), and at most
     `max_batch_size + worker_max_queued` in all, so a worker whose KV cache is full does not
     hoard jobs an idle worker could run. Batch lines only fill spare capacity: none while
-    anything waits for the engine, and never the last `batch_reserved_seqs` sequence slots
-    (kept for interactive requests)."""
+    anything waits for the engine, never the last `batch_reserved_seqs` sequence slots (kept
+    for interactive requests), and at most `batch_max_seqs` at once (a step's length, which an
+    arriving interactive request waits out, grows with the batch)."""
     if service.draining:
         return 0
     room = _interactive_room(service, num_starting)
@@ -213,11 +214,12 @@ def _interactive_room(service: WorkerService, num_starting: int) -> int:
 
 
 def _batch_room(service: WorkerService, num_starting: int) -> int:
-    settings = service.settings
+    s = service.settings
     if service.engine.stats().num_waiting:
         return 0
-    limit = settings.max_batch_size - settings.batch_reserved_seqs
-    return max(0, limit - len(service.jobs) - service.num_pending - num_starting)
+    num_lines = sum(1 for job in service.jobs.values() if job.payload.lane == "batch")
+    room_left = s.max_batch_size - s.batch_reserved_seqs - len(service.jobs) - service.num_pending
+    return max(0, min(room_left, s.batch_max_seqs - num_lines) - num_starting)
 
 
 def _running(task: asyncio.Task | None) -> bool:

@@ -186,3 +186,19 @@ def _cancel_completed(client: openai.OpenAI) -> None:
     )
     wait_final(client, batch.id)
     client.batches.cancel(batch.id)
+
+
+def test_idempotency_key_creates_one_batch(client: openai.OpenAI) -> None:
+    uploaded = client.files.create(
+        file=("idem.jsonl", jsonl([chat_line("x", "hi")])), purpose="batch"
+    )
+    headers = {"Idempotency-Key": "batch-once-1"}
+    args = {"input_file_id": uploaded.id, "completion_window": "24h"}
+    first = client.batches.create(endpoint="/v1/chat/completions", extra_headers=headers, **args)
+    again = client.batches.with_raw_response.create(
+        endpoint="/v1/chat/completions", extra_headers=headers, **args
+    )
+    assert again.parse().id == first.id and again.headers["Idempotent-Replayed"] == "true"
+    with pytest.raises(openai.ConflictError):
+        client.batches.create(endpoint="/v1/completions", extra_headers=headers, **args)
+    assert wait_final(client, first.id).request_counts.total == 1

@@ -4,6 +4,7 @@ a wake-up (the API enqueued a job) ends the wait between polls."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import fakeredis
 import pytest
@@ -72,18 +73,29 @@ class _Engine:
         return _Stats(self.num_waiting)
 
 
+def _jobs(lane: str, count: int, start: int = 0) -> dict[str, SimpleNamespace]:
+    return {
+        f"{lane}{i}": SimpleNamespace(payload=SimpleNamespace(lane=lane))
+        for i in range(start, start + count)
+    }
+
+
 def test_batch_lines_take_only_spare_room() -> None:
     from worker.arq_adapter import admission_capacity
     from worker.service import WorkerService
 
-    settings = Settings(max_batch_size=8, worker_max_queued=2, batch_reserved_seqs=3)
+    settings = Settings(
+        max_batch_size=8, worker_max_queued=2, batch_reserved_seqs=3, batch_max_seqs=2
+    )
     service = WorkerService.__new__(WorkerService)  # admission needs no engine thread
     service.settings, service.engine, service.draining = settings, _Engine(), False
-    service.jobs, service.num_pending = {f"j{i}": object() for i in range(2)}, 0
+    service.jobs, service.num_pending = _jobs("interactive", 2), 0
     assert admission_capacity(service, "interactive", 0) == 2  # worker_max_queued
-    assert admission_capacity(service, "batch", 0) == 2  # 8 - 3 reserved - 2 running - ...
-    assert admission_capacity(service, "batch", 1) == 1  # ... - 1 being started
-    service.jobs.update({f"k{i}": object() for i in range(3)})
+    assert admission_capacity(service, "batch", 0) == 2  # batch_max_seqs
+    assert admission_capacity(service, "batch", 1) == 1  # ... less one being started
+    service.jobs.update(_jobs("batch", 1))
+    assert admission_capacity(service, "batch", 0) == 1
+    service.jobs.update(_jobs("interactive", 2, start=2))
     assert admission_capacity(service, "batch", 0) == 0  # only the reserved slots are left
     assert admission_capacity(service, "interactive", 0) == 2
     service.jobs = {}
