@@ -50,7 +50,7 @@ class Settings(BaseSettings):
     max_model_len: int | None = Field(None, ge=16)
     num_threads: int | None = Field(None, ge=1, description="torch threads; default: cores")
     decode_threads: int | None = Field(
-        None, ge=1, description="CPU threads for decode-only steps; default: half of them"
+        None, ge=1, description="CPU threads for decode-only steps; default: measured per batch"
     )
     cuda_graphs: bool = Field(
         True, description="replay decode steps as CUDA graphs (CUDA only; off: eager)"
@@ -63,6 +63,15 @@ class Settings(BaseSettings):
     )
     speculative_ngram_size: int = Field(
         3, ge=1, le=8, description="longest n-gram matched for speculation (down to 1)"
+    )
+    compile: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="compile the forward with inductor (CPU): auto keeps it where measured faster",
+    )
+    linear_kernel: str = Field(
+        "auto",
+        description="matmul kernel: auto (timed per batch bucket at start), plain, prepacked, "
+        "float32",
     )
     cache_dir: str = Field(
         "~/.cache/ladle", description="converted GGUF models and other one-time work"

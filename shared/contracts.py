@@ -271,6 +271,8 @@ class WorkerRecord(_Wire):
     model_source: str = ""  # the worker's LLM_MODEL_NAME: where its tokenizer loads from
     device: str
     dtype: str
+    compiled: bool = False  # forward compiled by inductor (LLM_COMPILE)
+    kernels: dict[str, str] = Field(default_factory=dict)  # batch bucket -> kernels, threads
     status: Literal["starting", "ready", "draining"] = "ready"
     max_model_len: int
     block_size: int

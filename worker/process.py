@@ -125,6 +125,8 @@ class WorkerProcess:
             model_source=self.settings.model_name,
             device=engine.executor.device,
             dtype=engine.executor.dtype,
+            compiled=engine.executor.compiled,
+            kernels=engine.executor.kernels,
             max_model_len=engine.max_model_len,
             block_size=stats.block_size,
             kv_blocks_total=stats.num_blocks_total,

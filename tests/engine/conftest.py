@@ -64,6 +64,10 @@ def make_engine(model_dir: Path, **overrides: object) -> LLMEngine:
         kv_cache_size_mb=4,
         max_num_batched_tokens=256,
         num_threads=1,
+        # Exactness tests run the eager forward on plain F.linear, never timing-dependent;
+        # the compiled path and the kernel choice have their own tests.
+        compile="off",
+        linear_kernel="plain",
     )
     for key, value in overrides.items():
         setattr(config, key, value)

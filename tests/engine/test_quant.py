@@ -93,7 +93,7 @@ def test_packed_linear_mixes_quantized_and_float_shards() -> None:
     layer.load_shard(layer.weight, 0, q_shard)
     float_rows = layer.weight[32:].detach().clone()
     layer.quantize_rows("int4")
-    assert layer.weight.numel() == 0 and layer.prepack() is False
+    assert layer.weight.numel() == 0 and layer.kernel is layer.quantized
     x = torch.randn(3, 64)
     out = layer(x)
     torch.testing.assert_close(out[:, :32], _reference(x, q_shard, None), rtol=2e-2, atol=2e-2)

@@ -26,7 +26,12 @@ QUESTIONS = [
 @pytest.fixture(scope="module")
 def engine() -> LLMEngine:
     config = EngineConfig(
-        model=DEFAULT_MODEL_NAME, dtype="float32", device=TEST_DEVICE, kv_cache_size_mb=64
+        model=DEFAULT_MODEL_NAME,
+        dtype="float32",
+        device=TEST_DEVICE,
+        kv_cache_size_mb=64,
+        compile="off",
+        linear_kernel="plain",
     )
     return LLMEngine(config)
 

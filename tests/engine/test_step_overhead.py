@@ -11,7 +11,9 @@ import torch.nn.functional as F
 
 from tests.engine.tiny_models import ArgmaxSampler, ManualBatch, make_request, tiny_model_dir
 from worker.engine.model_runner import ModelRunner
+from worker.engine.autotune import choose_kernels
 from worker.layers.linear import Linear, PackedLinear
+from worker.layers.linear_kernels import build_kernel
 from worker.layers.norm import RMSNorm
 from worker.layers.rotary import RotaryEmbedding, apply_rotary
 from worker.models.loader import load_model
@@ -66,8 +68,10 @@ def test_rotary_is_bitwise_hf_rotate_half(dtype):
 
 
 def _prepacked(module: Linear) -> Linear:
-    if not module.prepack():
-        pytest.skip("oneDNN bf16 prepacking not available here")
+    kernel = build_kernel("prepacked", module.weight, module.bias)
+    if kernel is None:
+        pytest.skip("oneDNN prepacking not available here")
+    module.set_kernel(kernel)
     return module
 
 
@@ -83,9 +87,14 @@ def test_prepacked_linear_is_bitwise_f_linear(bias):
     assert torch.equal(linear(x3), F.linear(x3, linear.weight, linear.bias))
 
 
-def test_prepack_is_skipped_for_float32():
+def test_float32_kernel_only_widens_narrower_weights():
     linear = PackedLinear(16, [8, 8])
-    assert linear.prepack() is False and linear.packed_weight is None
+    assert build_kernel("float32", linear.weight, linear.bias) is None
+    narrow = Linear(16, 8, bias=True).to(torch.bfloat16)
+    kernel = build_kernel("float32", narrow.weight, narrow.bias)
+    x = torch.randn(3, 16).to(torch.bfloat16)
+    expected = F.linear(x.float(), narrow.weight.float(), narrow.bias.float()).to(torch.bfloat16)
+    assert kernel(x).dtype == torch.bfloat16 and torch.equal(kernel(x), expected)
 
 
 def _run_steps(runner: ModelRunner, prompts: list[list[int]], tag: str) -> torch.Tensor:
@@ -106,13 +115,15 @@ def _run_steps(runner: ModelRunner, prompts: list[list[int]], tag: str) -> torch
 def test_bf16_runner_with_prepacked_linears_matches_plain(family, tmp_path):
     loaded = load_model(str(tiny_model_dir(family, tmp_path)), dtype="bfloat16", device="cpu")
     runner = ModelRunner(loaded, 64, 4, ArgmaxSampler())
-    if not runner.num_prepacked:
+    if build_kernel("prepacked", torch.zeros(2, 2, dtype=torch.bfloat16), None) is None:
         pytest.skip("oneDNN bf16 prepacking not available here")
+    choose_kernels(loaded.model, "prepacked", max_num_seqs=4, max_threads=1)
     linears = [m for m in loaded.model.modules() if isinstance(m, Linear)]
-    assert runner.num_prepacked == len(linears) == 4 * 2 + 1
+    assert len(linears) == 4 * 2 + 1
+    assert all(m.kernel is not None and m.kernel.name == "prepacked" for m in linears)
     prompts = [[5 + (i * 7 + j) % 200 for j in range(n)] for i, n in enumerate((3, 11, 6))]
     packed = _run_steps(runner, prompts, "p")
     for module in linears:
-        module.packed_weight = None
+        module.set_kernel(None)
     plain = _run_steps(runner, prompts, "q")
     assert torch.equal(packed, plain)

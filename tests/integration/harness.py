@@ -187,6 +187,8 @@ def start_service(
         "LLM_DEVICE": "cpu",
         "LLM_KV_CACHE_SIZE_MB": "8",
         "LLM_NUM_THREADS": "1",
+        "LLM_COMPILE": "off",  # exact float32 tokens, and a worker that starts in seconds
+        "LLM_LINEAR_KERNEL": "plain",
         "LLM_WORKER_METRICS_PORT": "0",
         "LLM_HEARTBEAT_INTERVAL_S": "0.2",
         "LLM_WORKER_TTL_S": "2",

@@ -45,6 +45,8 @@ class EngineConfig:
     cuda_graphs: bool = _setting("cuda_graphs")
     speculative_ngram: int = _setting("speculative_ngram")
     speculative_ngram_size: int = _setting("speculative_ngram_size")
+    compile: str = _setting("compile")
+    linear_kernel: str = _setting("linear_kernel")
 
     @classmethod
     def from_settings(cls, settings: Settings) -> EngineConfig:

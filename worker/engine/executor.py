@@ -12,6 +12,7 @@ from typing import Protocol
 
 import torch
 
+from worker.engine.autotune import KernelPlan, choose_kernels
 from worker.engine.config import EngineConfig
 from worker.engine.kv_cache import kv_bytes_per_block
 from worker.engine.model_runner import ModelRunner
@@ -30,6 +31,8 @@ class Executor(Protocol):
     kv_bytes_per_block: int
     device: str
     dtype: str
+    compiled: bool
+    kernels: dict[str, str]
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
@@ -49,6 +52,14 @@ class TorchExecutor:
         self.num_blocks = _num_blocks(config, loaded, self.kv_bytes_per_block)
         self.device = str(loaded.device)
         self.dtype = str(loaded.dtype).removeprefix("torch.")
+        self.num_threads = torch.get_num_threads()
+        self.kernel_plan: KernelPlan = choose_kernels(
+            loaded.model,
+            config.linear_kernel,
+            config.max_num_seqs,
+            self.num_threads,
+            config.cache_dir,
+        )
         self.runner = ModelRunner(
             loaded,
             self.num_blocks,
@@ -57,15 +68,20 @@ class TorchExecutor:
             max_model_len=self.max_model_len,
             max_batch_size=config.max_num_seqs,
             cuda_graphs=config.cuda_graphs,
+            compile_mode=config.compile,  # type: ignore[arg-type]
+            cache_dir=config.cache_dir,
         )
-        self.num_threads = torch.get_num_threads()
-        # Decode steps read every weight once for little arithmetic: memory-bound, they run
-        # as fast on half the cores (measured here: 1 thread 30-35 ms vs 2 threads 37-45 ms
-        # per single-request step, equal at 64), leaving the rest to the API and Redis.
-        # Prefill is compute-bound and gets every thread (64x128: 7 s vs 12 s).
+        # Decode steps read every weight once for little arithmetic: memory-bound, they often
+        # run as fast on fewer cores (here: 1 thread 30-35 ms vs 2 threads 37-45 ms per
+        # single-request step), leaving the rest to the API and Redis. Per batch bucket the
+        # kernel plan's measured count, else LLM_DECODE_THREADS, else half. Prefill is
+        # compute-bound and gets every thread (64x128: 7 s vs 12 s).
         self.decode_threads = min(
             config.decode_threads or max(1, self.num_threads // 2), self.num_threads
         )
+        self._measured_threads = config.decode_threads is None
+        self.compiled = self.runner.compiled is not None
+        self.kernels = self.kernel_plan.summary()
         self._switch_threads = loaded.device.type == "cpu"
         logger.info(
             "kv cache: %d blocks of %d tokens (%.1f MiB), max_model_len %d, %s %s",
@@ -79,11 +95,18 @@ class TorchExecutor:
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if self._switch_threads:
-            is_decode_only = all(c.is_decode for c in scheduler_output.chunks)
-            threads = self.decode_threads if is_decode_only else self.num_threads
+            chunks = scheduler_output.chunks
+            is_decode_only = all(c.is_decode for c in chunks)
+            rows = sum(c.num_tokens for c in chunks)  # drafts are rows too
+            threads = self.decode_threads_for(rows) if is_decode_only else self.num_threads
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
         return self.runner.execute(scheduler_output)
+
+    def decode_threads_for(self, num_rows: int) -> int:
+        """Threads for a decode-only step of `num_rows` sequences."""
+        measured = self.kernel_plan.threads_for(num_rows) if self._measured_threads else None
+        return min(measured or self.decode_threads, self.num_threads)
 
     def release(self, request_ids: list[str]) -> None:
         self.runner.release(request_ids)

@@ -67,5 +67,4 @@ def bind_kv_cache(model: nn.Module, cache: KVCache) -> None:
     if len(layers) != len(cache.k_caches):
         raise ValueError(f"model has {len(layers)} attention layers, cache {len(cache.k_caches)}")
     for layer, k_cache, v_cache in zip(layers, cache.k_caches, cache.v_caches, strict=True):
-        layer.k_cache = k_cache
-        layer.v_cache = v_cache
+        layer.bind(k_cache, v_cache)

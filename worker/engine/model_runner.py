@@ -8,13 +8,13 @@ from typing import Protocol
 import torch
 
 from worker.engine.attention_metadata import build_step_inputs
+from worker.engine.compiled import CompileMode, compile_forward
 from worker.engine.cuda_graphs import CudaGraphBackend, DecodeGraphs, GraphCaptureError
 from worker.engine.kv_cache import KVCache, allocate_kv_cache, bind_kv_cache
 from worker.engine.ngram import accept_drafts
 from worker.engine.outputs import ModelRunnerOutput, SampledToken, SchedulerOutput
 from worker.engine.request import Request
 from worker.layers.context import set_attention_metadata
-from worker.layers.linear import prepack_linears
 from worker.models.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -46,6 +46,8 @@ class ModelRunner:
         max_model_len: int | None = None,
         max_batch_size: int = 64,
         cuda_graphs: bool = True,
+        compile_mode: CompileMode = "off",
+        cache_dir: str | None = None,
     ) -> None:
         self.loaded = loaded
         self.model = loaded.model
@@ -59,8 +61,12 @@ class ModelRunner:
             loaded.hf_config, num_blocks + 1, block_size, loaded.dtype, loaded.device
         )
         bind_kv_cache(self.model, self.kv_cache)
-        # CPU bf16: weights reordered once for oneDNN (bitwise equal, faster small batches).
-        self.num_prepacked = prepack_linears(self.model)
+        # CPU: the forward as an inductor program (None: eager); warmed up here, off the
+        # request path.
+        self.compiled = compile_forward(
+            self.model, compile_mode, self.scratch_block, block_size, cache_dir
+        )
+        self.forward = self.compiled or self.model
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs and self.device.type == "cuda":
             self.graphs = DecodeGraphs(
@@ -91,7 +97,7 @@ class ModelRunner:
         inputs = build_step_inputs(chunks, self.block_size, self.device)
         set_attention_metadata(inputs.metadata)
         try:
-            hidden = self.model(inputs.input_ids, inputs.positions)
+            hidden = self.forward(inputs.input_ids, inputs.positions)
         finally:
             set_attention_metadata(None)
         return self.model.compute_logits(hidden[inputs.logits_indices])

@@ -1,4 +1,5 @@
-"""Linear layers: oneDNN-prepacked or weight-only quantized on CPU, and fused projections."""
+"""Linear layers that run a chosen kernel (`linear_kernels.py`, or weight-only quantized),
+and fused (packed) projections."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.layers.handles import handle_of
+from worker.layers.linear_kernels import LinearKernel
 from worker.layers.quant import (
     QuantizedKernel,
     QuantizedTensor,
@@ -16,26 +19,17 @@ from worker.layers.quant import (
 )
 
 
-def _can_prepack(weight: torch.Tensor) -> bool:
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    )
-
-
 class Linear(nn.Linear):
-    """nn.Linear that can keep a oneDNN-prepacked copy of its weight for CPU inference.
+    """nn.Linear whose 2-D products go through a kernel picked at load (plain by default).
 
-    On CPU in bf16 `F.linear` re-lays the weight out inside oneDNN on every call; a weight
-    reordered once (`prepack()`) gives bitwise the same results and is much faster for
-    small batches: one decode token of SmolLM2-135M, 35 -> 22 ms of matmuls on one core.
-    The plain `weight` stays (tied embeddings, state_dict); the packed copy costs as much
-    memory again. Only 2-D inputs use it.
+    The plain `weight` stays (tied embeddings, state_dict, kernels built from it). Under
+    `torch.compile` the kernel is called through the opaque op `ladle::linear` with its
+    handle in a 0-d buffer: a tensor, unlike an int attribute, is a graph input rather than
+    a constant, so every layer reuses one compiled graph.
     """
 
-    packed_weight: torch.Tensor | None = None
+    kernel: LinearKernel | None = None
+    kernel_id: torch.Tensor | None
     quantized: QuantizedKernel | None = None
     # shard index -> quantized checkpoint tensor, held until `quantize_rows` packs them
     pending_quantized: dict[int, QuantizedTensor] | None = None
@@ -44,16 +38,14 @@ class Linear(nn.Linear):
     def shard_row_sizes(self) -> list[int]:
         return [self.out_features]
 
-    def prepack(self, batch_hint: int = 1) -> bool:
-        """Reorder the weight for oneDNN; False (and nothing changes) where not supported."""
-        if self.quantized is not None or not _can_prepack(self.weight):
-            return False
-        try:
-            packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), batch_hint)
-        except RuntimeError:
-            return False
-        self.packed_weight = packed
-        return True
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.register_buffer("kernel_id", None, persistent=False)
+
+    def set_kernel(self, kernel: LinearKernel | None) -> None:
+        """Use `kernel` for 2-D inputs from now on (None: plain `F.linear`)."""
+        self.kernel = kernel
+        self.kernel_id = None if kernel is None else torch.tensor(handle_of(kernel))
 
     def load_quantized(self, shard_index: int, tensor: QuantizedTensor) -> None:
         """Keep a quantized checkpoint tensor for shard `shard_index` until `quantize_rows`."""
@@ -83,18 +75,22 @@ class Linear(nn.Linear):
             start += size
         bias = None if self.bias is None else self.bias.detach()
         self.quantized = build_quantized_kernel(concat_rows(parts), bias)
+        self.set_kernel(self.quantized)  # for good: the autotuner leaves quantized layers be
         self.pending_quantized = None
-        self.packed_weight = None
         empty = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
         self.weight = nn.Parameter(empty, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quantized is not None:
-            return self.quantized(x.reshape(-1, self.in_features)).view(*x.shape[:-1], -1)
-        packed = self.packed_weight
-        if packed is not None and x.dim() == 2:
-            return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        if torch.compiler.is_compiling():  # inputs are 2-D in the compiled (flat) forward
+            if self.kernel_id is None:
+                return F.linear(x, self.weight, self.bias)
+            return torch.ops.ladle.linear(x, self.kernel_id, self.out_features)
+        kernel = self.kernel
+        if kernel is None:
+            return F.linear(x, self.weight, self.bias)
+        if x.dim() == 2:
+            return kernel(x)
+        return kernel(x.reshape(-1, self.in_features)).view(*x.shape[:-1], -1)
 
 
 class PackedLinear(Linear):
@@ -136,8 +132,3 @@ def quantize_linears(model: nn.Module, mode: str, keep: tuple[str, ...] = ("lm_h
     for module in linears:
         module.quantize_rows(mode)
     return len(linears)
-
-
-def prepack_linears(model: nn.Module) -> int:
-    """Prepack every `Linear` of `model` whose weight allows it; returns how many were."""
-    return sum(m.prepack() for m in model.modules() if isinstance(m, Linear))

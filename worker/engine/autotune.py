@@ -1,0 +1,231 @@
+"""Linear kernels and decode threads chosen by measuring on the machine at hand, at load.
+
+For each batch bucket (rows of a step) and each group of same-shaped linears (every qkv_proj,
+every down_proj, ...) every registered kernel (`worker/layers/linear_kernels.py`) is timed
+over all layers of the group in turn, so weights stream from memory as in a real step rather
+than sitting in cache. Decode buckets are timed on 1 thread and on all; the thread count with
+the smaller total wins for decode-only steps of that bucket (prefill always uses every
+thread). The winners become each layer's `BucketedKernel`; losers are dropped.
+
+The plan is cached as JSON under `{cache}/kernels/`, keyed by CPU model, flags, torch version,
+thread count, dtype, shapes and candidates, so a restart on the same machine skips the
+timing. `LLM_LINEAR_KERNEL` names one kernel to use everywhere instead (no timing).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from shared.model_files import cache_root
+from worker.layers.linear import Linear
+from worker.layers.linear_kernels import BucketedKernel, LinearKernel, build_kernel, kernel_names
+
+logger = logging.getLogger(__name__)
+
+DECODE_BUCKETS = (1, 4, 16, 64)
+PREFILL_BUCKET = 256  # rows above the largest decode bucket: prefill chunks
+
+
+@dataclass
+class KernelPlan:
+    """Per bucket (max rows, as a string key): kernel per linear group, and decode threads."""
+
+    kernels: dict[str, dict[str, str]]  # group -> bucket -> kernel name
+    threads: dict[str, int] = field(default_factory=dict)  # decode bucket -> threads
+    source: str = "measured"  # measured | cache | setting
+    seconds: float = 0.0
+
+    def threads_for(self, rows: int) -> int | None:
+        """The measured thread count for a decode step of `rows` rows (None: no opinion)."""
+        for bucket in sorted(self.threads, key=int):
+            if rows <= int(bucket):
+                return self.threads[bucket]
+        return self.threads[max(self.threads, key=int)] if self.threads else None
+
+    def summary(self) -> dict[str, str]:
+        """bucket -> "qkv_proj=prepacked ... threads=1": what a worker record shows."""
+        buckets = sorted({b for choice in self.kernels.values() for b in choice}, key=int)
+        out = {}
+        for bucket in buckets:
+            names = [f"{group}={choice[bucket]}" for group, choice in self.kernels.items()]
+            if bucket in self.threads:
+                names.append(f"threads={self.threads[bucket]}")
+            out[bucket] = " ".join(names)
+        return out
+
+
+def linear_groups(model: nn.Module) -> dict[str, list[Linear]]:
+    """Float linears grouped by name suffix and shape: each group times as one.
+
+    Weight-only quantized layers (`LLM_QUANTIZATION`) are left out: their kernel is fixed.
+    """
+    groups: dict[str, list[Linear]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, Linear) and module.quantized is None:
+            key = f"{name.rsplit('.', 1)[-1]}:{module.in_features}x{module.out_features}"
+            groups.setdefault(key, []).append(module)
+    return groups
+
+
+def buckets_for(max_num_seqs: int) -> list[int]:
+    decode = [b for b in DECODE_BUCKETS if b < max_num_seqs] + [max_num_seqs]
+    return sorted({*decode, max(PREFILL_BUCKET, max_num_seqs)})
+
+
+def _time_group(kernels: list[LinearKernel], x: torch.Tensor, repeats: int = 5) -> float:
+    """Median seconds for one pass over every layer of the group."""
+    times = []
+    for _ in range(repeats + 1):
+        started = time.perf_counter()
+        for kernel in kernels:
+            kernel(x)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times[1:])
+
+
+def _measure_group(
+    layers: list[Linear], buckets: list[int], thread_options: list[int], dtype: torch.dtype
+) -> dict[tuple[int, int], dict[str, float]]:
+    """(bucket, threads) -> kernel name -> seconds per pass, for every applicable kernel."""
+    results: dict[tuple[int, int], dict[str, float]] = {}
+    for name in kernel_names():
+        kernels = [build_kernel(name, layer.weight, layer.bias) for layer in layers]
+        if any(kernel is None for kernel in kernels):
+            continue
+        for bucket in buckets:
+            x = torch.randn(bucket, layers[0].in_features).to(dtype)
+            for threads in thread_options if bucket < PREFILL_BUCKET else thread_options[-1:]:
+                torch.set_num_threads(threads)
+                results.setdefault((bucket, threads), {})[name] = _time_group(kernels, x)
+        del kernels
+    return results
+
+
+@torch.inference_mode()
+def measure_plan(model: nn.Module, buckets: list[int], max_threads: int) -> KernelPlan:
+    """Time every kernel for every group, bucket and thread option; keep the fastest."""
+    started = time.perf_counter()
+    dtype = next(model.parameters()).dtype
+    thread_options = sorted({1, max_threads})
+    times = {
+        group: _measure_group(layers, buckets, thread_options, dtype)
+        for group, layers in linear_groups(model).items()
+    }
+    torch.set_num_threads(max_threads)
+    plan = KernelPlan(kernels={group: {} for group in times})
+    for bucket in buckets:
+        options = [t for t in thread_options if (bucket, t) in next(iter(times.values()))]
+        total = {t: sum(min(by[(bucket, t)].values()) for by in times.values()) for t in options}
+        threads = min(total, key=total.__getitem__)
+        if bucket < PREFILL_BUCKET:
+            plan.threads[str(bucket)] = threads
+        for group, by in times.items():
+            seconds = by[(bucket, threads)]
+            plan.kernels[group][str(bucket)] = min(seconds, key=seconds.__getitem__)
+    plan.seconds = time.perf_counter() - started
+    return plan
+
+
+def fixed_plan(model: nn.Module, name: str, buckets: list[int]) -> KernelPlan:
+    """`name` for every group and bucket (the `LLM_LINEAR_KERNEL` override)."""
+    build_kernel(name, torch.zeros(1, 1), None)  # unknown names fail here, early
+    groups = linear_groups(model)
+    return KernelPlan({g: {str(b): name for b in buckets} for g in groups}, source="setting")
+
+
+def apply_plan(model: nn.Module, plan: KernelPlan) -> None:
+    """Give every linear its per-bucket kernels (plain where a kernel does not apply)."""
+    for group, layers in linear_groups(model).items():
+        choice = plan.kernels.get(group, {})
+        for layer in layers:
+            built: dict[str, LinearKernel] = {}
+            for name in set(choice.values()):
+                kernel = build_kernel(name, layer.weight, layer.bias)
+                built[name] = kernel or build_kernel("plain", layer.weight, layer.bias)
+            if len(built) == 1:
+                layer.set_kernel(next(iter(built.values())))
+            elif built:
+                layer.set_kernel(BucketedKernel([(int(b), built[n]) for b, n in choice.items()]))
+
+
+def _add_quantized(model: nn.Module, plan: KernelPlan, buckets: list[int]) -> None:
+    """Name the quantized layers' fixed kernels in the plan, so the worker record shows them."""
+    for name, module in model.named_modules():
+        if isinstance(module, Linear) and module.quantized is not None:
+            key = f"{name.rsplit('.', 1)[-1]}:{module.in_features}x{module.out_features}"
+            plan.kernels[key] = {str(b): module.quantized.name for b in buckets}
+
+
+def _cpu_model() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    info = dict(line.split(":", 1) for line in lines if ":" in line)
+    flags = {k.strip(): v.strip() for k, v in info.items()}
+    return f"{flags.get('model name', platform.machine())} [{flags.get('flags', '')}]"
+
+
+def plan_cache_path(model: nn.Module, buckets: list[int], max_threads: int, cache_dir: str | None):
+    """The cache file for this CPU, torch, thread count, model shapes and candidates."""
+    key = {
+        "cpu": _cpu_model(),
+        "torch": torch.__version__,
+        "threads": max_threads,
+        "dtype": str(next(model.parameters()).dtype),
+        "groups": sorted(linear_groups(model)),
+        "buckets": buckets,
+        "kernels": kernel_names(),
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_root(cache_dir) / "kernels" / f"{digest}.json"
+
+
+def choose_kernels(
+    model: nn.Module,
+    setting: str,
+    max_num_seqs: int,
+    max_threads: int,
+    cache_dir: str | None = None,
+) -> KernelPlan:
+    """The plan for `setting` ("auto": measured or cached; else that kernel), applied."""
+    buckets = buckets_for(max_num_seqs)
+    if setting != "auto":
+        plan = fixed_plan(model, setting, buckets)
+    elif next(model.parameters()).device.type != "cpu":
+        plan = fixed_plan(model, "plain", buckets)
+    else:
+        plan = _cached_or_measured(model, buckets, max_threads, cache_dir)
+    apply_plan(model, plan)
+    _add_quantized(model, plan, buckets)
+    logger.info("linear kernels (%s, %.1f s): %s", plan.source, plan.seconds, plan.summary())
+    return plan
+
+
+def _cached_or_measured(
+    model: nn.Module, buckets: list[int], max_threads: int, cache_dir: str | None
+) -> KernelPlan:
+    path = plan_cache_path(model, buckets, max_threads, cache_dir)
+    try:
+        plan = KernelPlan(**json.loads(path.read_text()))
+        plan.source = "cache"
+        return plan
+    except (OSError, ValueError, TypeError):
+        pass
+    plan = measure_plan(model, buckets, max_threads)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(plan), indent=1))
+    except OSError as exc:
+        logger.warning("could not cache the kernel plan in %s: %s", path, exc)
+    return plan
