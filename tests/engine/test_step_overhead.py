@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from tests.engine.tiny_models import ArgmaxSampler, ManualBatch, make_request, tiny_model_dir
-from worker.engine.model_runner import ModelRunner
 from worker.engine.autotune import choose_kernels
+from worker.engine.model_runner import ModelRunner
 from worker.layers.linear import Linear, PackedLinear
 from worker.layers.linear_kernels import build_kernel
 from worker.layers.norm import RMSNorm

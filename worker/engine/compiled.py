@@ -5,8 +5,9 @@ each on a busy core: most of the step (issue 9). Compiled, the norms, rotary, Si
 residual adds of a layer become a few C++/OpenMP loops; the matmuls (`ladle::linear`) and the
 paged attention (`ladle::paged_attention`) stay opaque custom ops, so any weight layout and
 the ragged per-step metadata stay out of the graph. Shapes: the token count is dynamic, so
-one graph serves T = 1 (specialised) and one every T >= 2; both are compiled at start, and a call that would compile again runs eagerly instead (the request path
-never compiles). Inductor's FX graph cache lives under the Ladle cache directory, so a
+one graph serves T = 1 (specialised) and one every T >= 2; both are compiled at start, and a
+call that would compile again runs eagerly instead (the request path never compiles).
+Inductor's FX graph cache lives under the Ladle cache directory, so a
 restart reuses the generated code.
 
 `LLM_COMPILE`: `off` eager; `on` compiled (any failure logs and falls back to eager);
