@@ -1,7 +1,8 @@
 """Per-step overhead of the engine: where one decode step's time goes.
 
     .venv/bin/python -m loadtest.profile_step [--dtype auto] [--threads N] [--batch 1 64]
-        [--context 128] [--steps 40] [--ops] [--cprofile] [--json OUT]
+        [--context 128] [--steps 40] [--compile auto|on|off] [--linear-kernel auto|NAME]
+        [--quantization none|int8|int4] [--ops] [--cprofile] [--json OUT]
 
 For each batch size B: B requests of `context` random token ids are prefilled, then the
 engine decodes `steps` steps with all B running. Reported per step (medians):
@@ -9,7 +10,9 @@ engine decodes `steps` steps with all B running. Reported per step (medians):
 - step: `LLMEngine.step()` wall time (what a client's inter-token latency is made of);
 - forward: the model's forward + logits (`ModelRunner.compute_logits`);
 - sample: the sampler; python: the rest (scheduler, metadata, update, detokenizer);
-- prefill: the first step (B prompts of `context` tokens at once).
+- prefill: the first step (B prompts of `context` tokens at once);
+- at B = 1, the share of the memory-bandwidth bound measured in the same run
+  (`loadtest/bandwidth_bound.py`: weight bytes per token / streamed GB/s).
 
 `--ops` adds a torch.profiler table (top ops by self CPU time, op count per step);
 `--cprofile` a cProfile of the Python outside the forward.
@@ -31,6 +34,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP
 
 import torch
 
+from loadtest.bandwidth_bound import stream_bandwidth, weight_bytes_per_token
 from shared.model_files import DEFAULT_MODEL_NAME
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
@@ -141,6 +145,19 @@ def python_profile(engine: LLMEngine, batch: int, context: int, steps: int = 30)
     return "".join(stream_lines)
 
 
+def _bound_share(engine: LLMEngine, tokens_per_s: float) -> dict[str, float]:
+    """The decode rate as a share of weight bytes per token / stream bandwidth, now."""
+    bandwidth = stream_bandwidth()
+    weight_bytes = weight_bytes_per_token(engine.executor.runner.model)
+    bound = bandwidth / weight_bytes
+    print(
+        f"  memory bound: {weight_bytes / 1e6:.0f} MB per token at {bandwidth / 1e9:.1f} GB/s "
+        f"-> {bound:.1f} tok/s; this run {tokens_per_s:.1f} = {100 * tokens_per_s / bound:.0f} %"
+    )
+    share = tokens_per_s / bound
+    return {"weight_bytes": weight_bytes, "stream_bytes_per_s": bandwidth, "bound_share": share}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=DEFAULT_MODEL_NAME)
@@ -152,6 +169,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="runs per batch size")
     parser.add_argument("--ops", action="store_true", help="torch.profiler op table")
     parser.add_argument("--cprofile", action="store_true", help="cProfile of the step")
+    parser.add_argument("--compile", default="auto", choices=["auto", "on", "off"])
+    parser.add_argument("--linear-kernel", default="auto")
+    parser.add_argument("--quantization", default="none")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
@@ -163,11 +183,17 @@ def main() -> None:
         num_threads=args.threads,
         max_num_seqs=max(64, *args.batch),
         max_num_batched_tokens=max(1024, args.context),
+        compile=args.compile,
+        linear_kernel=args.linear_kernel,
+        quantization=args.quantization,
     )
+    started = time.perf_counter()
     engine = LLMEngine(config)
+    executor = engine.executor
     print(
-        f"{args.model} {engine.executor.dtype} threads={torch.get_num_threads()} "
-        f"load={os.getloadavg()}"
+        f"{args.model} {executor.dtype} threads={torch.get_num_threads()} "
+        f"compiled={executor.compiled} start {time.perf_counter() - started:.1f} s "
+        f"load={os.getloadavg()}\nkernels: {executor.kernels}"
     )
     measure(engine, 2, args.context, 4)  # warm-up
     results = []
@@ -181,6 +207,8 @@ def main() -> None:
                 f"python {result['python_ms']:.2f}) -> {result['decode_tokens_per_s']:.1f} "
                 f"tok/s; prefill {result['prefill_ms']:.0f} ms"
             )
+            if batch == 1:
+                result |= _bound_share(engine, result["decode_tokens_per_s"])
         if args.ops:
             print(op_table(engine, batch, args.context))
         if args.cprofile:

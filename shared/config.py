@@ -179,6 +179,12 @@ def apply_openmp_defaults() -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
+def apply_inductor_cache_dir(cache_dir: str) -> None:
+    """Inductor's FX graph cache (generated C++ and .so files) under `cache_dir`, unless the
+    operator set `TORCHINDUCTOR_CACHE_DIR`; inductor reads it when it first compiles."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", cache_dir)
+
+
 class ClientSettings(BaseSettings):
     """What client commands (`ladle batch`) read, as the examples do: `LADLE_BASE_URL`
     (default: this host's API port) and `LADLE_API_KEY`."""

@@ -17,7 +17,6 @@ restart reuses the generated code.
 from __future__ import annotations
 
 import logging
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from shared.config import apply_inductor_cache_dir
 from shared.model_files import cache_root
 from worker.layers.context import AttentionMetadata, PrefillChunkMeta, set_attention_metadata
 
@@ -93,14 +93,9 @@ def run_with_metadata(
         set_attention_metadata(None)
 
 
-# Set by the operator before we start: inductor then writes its cache there instead.
-_USER_INDUCTOR_CACHE = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-
-
 def _configure_inductor_cache(cache_dir: str | None) -> None:
     """Inductor's FX graph cache (generated C++ and its .so) under the Ladle cache dir."""
-    if not _USER_INDUCTOR_CACHE:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_root(cache_dir) / "inductor")
+    apply_inductor_cache_dir(str(cache_root(cache_dir) / "inductor"))
     torch._inductor.config.fx_graph_cache = True
 
 
