@@ -6,7 +6,7 @@ scales and zeros) and one embedding row; at batch 1 nothing else is that large. 
 `bandwidth / bytes per token` tokens/s, with the bandwidth measured here and now: the best
 of a few float32 `sum`s over a buffer far larger than the caches (read-only, like a GEMV).
 
-    .venv/bin/python -m loadtest.bandwidth_bound [--mib 512]
+    .venv/bin/python -m loadtest.bandwidth_bound [--mib 1024]
 """
 
 from __future__ import annotations
@@ -24,15 +24,20 @@ from worker.layers.linear import Linear
 from worker.layers.linear_kernels import BucketedKernel
 
 
-def stream_bandwidth(mib: int = 512, repeats: int = 5) -> float:
+def stream_bandwidth(mib: int = 1024, repeats: int = 5, threads: int | None = None) -> float:
     """Read bandwidth in bytes/s: best of `repeats` sums over `mib` MiB of float32."""
-    buffer = torch.ones(mib * 2**20 // 4)
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        buffer.sum()
-        best = min(best, time.perf_counter() - started)
-    return buffer.numel() * 4 / best
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads or previous)
+    try:
+        buffer = torch.ones(mib * 2**20 // 4)
+        best = float("inf")
+        for _ in range(repeats):
+            started = time.perf_counter()
+            buffer.sum()
+            best = min(best, time.perf_counter() - started)
+        return buffer.numel() * 4 / best
+    finally:
+        torch.set_num_threads(previous)
 
 
 def _tensor_bytes(obj: object) -> int:
@@ -45,7 +50,8 @@ def _tensor_bytes(obj: object) -> int:
 
 
 def weight_bytes_per_token(model: nn.Module) -> int:
-    """Bytes one single-token step reads: each projection as its batch-1 kernel holds it."""
+    """Bytes one single-token step reads: each projection (lm_head included) as its batch-1
+    kernel holds it (quantized: integers, scales and zeros), plus one embedding row."""
     total = 0
     for module in model.modules():
         if not isinstance(module, Linear):
@@ -61,7 +67,7 @@ def weight_bytes_per_token(model: nn.Module) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--mib", type=int, default=512)
+    parser.add_argument("--mib", type=int, default=1024)
     args = parser.parse_args()
     print(f"stream read: {stream_bandwidth(args.mib) / 1e9:.1f} GB/s, load {os.getloadavg()}")
 

@@ -23,12 +23,13 @@ import os
 import random
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP (shared CPUs)
 
 import torch
+
+from loadtest.bandwidth_bound import stream_bandwidth, weight_bytes_per_token
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMACPP_CMAKE_ARGS = "-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"
@@ -110,21 +111,10 @@ def ladle_decode(variant: str, threads: int, tokens: int, prompt: list[int]) -> 
     )
     bench_single(llm, prompt, 8)  # warm-up
     rate = max(bench_single(llm, prompt, tokens) for _ in range(2))
-    return {"decode_tokens_per_s": rate, "weight_bytes_per_token": weight_bytes(llm)}
-
-
-def weight_bytes(llm) -> int:
-    """Bytes of weights one decode step reads: every projection and the lm_head."""
-    from worker.layers.linear import Linear
-
-    total = 0
-    for module in llm.engine.executor.runner.model.modules():
-        if not isinstance(module, Linear):
-            continue
-        kernel = module.quantized
-        tensors = [module.weight] if kernel is None else list(vars(kernel).values())
-        total += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-    return total
+    return {
+        "decode_tokens_per_s": rate,
+        "weight_bytes_per_token": weight_bytes_per_token(llm.engine.executor.runner.model),
+    }
 
 
 def gguf_bytes(gguf: Path) -> int:
@@ -132,22 +122,6 @@ def gguf_bytes(gguf: Path) -> int:
     from gguf import GGUFReader
 
     return sum(int(t.n_bytes) for t in GGUFReader(str(gguf)).tensors if len(t.shape) == 2)
-
-
-def read_bandwidth_gbs(threads: int, size_gib: float = 1.0, repeats: int = 5) -> float:
-    """Memory read bandwidth: a float32 sum over `size_gib` GiB, best of `repeats`."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        data = torch.ones(int(size_gib * 2**30) // 4)
-        best = float("inf")
-        for _ in range(repeats):
-            started = time.perf_counter()
-            data.sum()
-            best = min(best, time.perf_counter() - started)
-        return data.numel() * 4 / best / 1e9
-    finally:
-        torch.set_num_threads(previous)
 
 
 def cpu_description() -> dict:
@@ -179,7 +153,7 @@ def measure_all(args: argparse.Namespace) -> dict:
         "tokens": args.tokens,
         "rows": [],
     }
-    bandwidth = read_bandwidth_gbs(args.threads)
+    bandwidth = stream_bandwidth(threads=args.threads) / 1e9
     report["read_bandwidth_gbs"] = bandwidth
     for variant in args.variants.split(","):
         row = ladle_decode(variant, args.threads, args.tokens, prompt)
