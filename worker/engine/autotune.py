@@ -57,7 +57,9 @@ class KernelPlan:
         buckets = sorted({b for choice in self.kernels.values() for b in choice}, key=int)
         out = {}
         for bucket in buckets:
-            names = [f"{group}={choice[bucket]}" for group, choice in self.kernels.items()]
+            names = [  # "qkv_proj:576x960" -> "qkv_proj"
+                f"{group.split(':')[0]}={choice[bucket]}" for group, choice in self.kernels.items()
+            ]
             if bucket in self.threads:
                 names.append(f"threads={self.threads[bucket]}")
             out[bucket] = " ".join(names)
