@@ -84,7 +84,7 @@ def buckets_for(max_num_seqs: int) -> list[int]:
     return sorted({*decode, max(PREFILL_BUCKET, max_num_seqs)})
 
 
-def _time_group(kernels: list[LinearKernel], x: torch.Tensor, repeats: int = 5) -> float:
+def _time_group(kernels: list[LinearKernel], x: torch.Tensor, repeats: int = 3) -> float:
     """Median seconds for one pass over every layer of the group."""
     times = []
     for _ in range(repeats + 1):
