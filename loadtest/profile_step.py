@@ -146,8 +146,9 @@ def python_profile(engine: LLMEngine, batch: int, context: int, steps: int = 30)
 
 
 def _bound_share(engine: LLMEngine, tokens_per_s: float) -> dict[str, float]:
-    """The decode rate as a share of weight bytes per token / stream bandwidth, now."""
-    bandwidth = stream_bandwidth()
+    """The decode rate as a share of weight bytes per token / stream bandwidth, now (on the
+    decode step's own thread count)."""
+    bandwidth = stream_bandwidth(threads=engine.executor.decode_threads_for(1))
     weight_bytes = weight_bytes_per_token(engine.executor.runner.model)
     bound = bandwidth / weight_bytes
     print(
