@@ -4,6 +4,8 @@ processes on the real Redis."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -202,3 +204,24 @@ def test_idempotency_key_creates_one_batch(client: openai.OpenAI) -> None:
     with pytest.raises(openai.ConflictError):
         client.batches.create(endpoint="/v1/completions", extra_headers=headers, **args)
     assert wait_final(client, first.id).request_counts.total == 1
+
+
+def test_ladle_batch_submit_status_and_cancel(batch_service: Service, tmp_path: Path) -> None:
+    lines = [chat_line(f"q{i}", f"w{i + 5}") for i in range(3)] + [completion_line("t", "w9")]
+    source = tmp_path / "prompts.jsonl"
+    source.write_bytes(jsonl(lines))
+    base = [sys.executable, "-m", "shared.cli", "batch", "--base-url", batch_service.base_url]
+    done = subprocess.run(
+        [*base, "submit", str(source), "--poll", "0.2"], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert "4/4 (4 ok, 0 failed) completed" in done.stderr  # the progress bar's last state
+    outputs = [
+        json.loads(line) for line in (tmp_path / "prompts.output.jsonl").read_text().splitlines()
+    ]
+    assert [o["custom_id"] for o in outputs] == ["q0", "q1", "q2", "t"]
+    batch_id = done.stderr.split("batch ", 1)[1].split()[0]
+    status = subprocess.run([*base, "status", batch_id], capture_output=True, text=True, timeout=60)
+    assert json.loads(status.stdout)["status"] == "completed"
+    cancel = subprocess.run([*base, "cancel", batch_id], capture_output=True, text=True, timeout=60)
+    assert cancel.returncode != 0 and "409" in cancel.stderr  # a completed batch stays so
