@@ -9,6 +9,11 @@ that accepts OTLP/HTTP exports and counts them (so the export's cost is in the f
 order alternates (off, on, on, off, ...) so drift on a shared machine falls on both sides.
 Prints tokens/s, TTFT and ITL per run, the on/off ratio of the means, the spans' bytes
 received, load average and the CPU model.
+
+On a shared machine run-to-run noise can exceed the effect, so it also measures the cost
+directly: the CPU time (all threads, export included) that tracing spends per job, from
+the same code the API and worker run (`RequestTrace`, `record_attempt`), exported to the
+same sink; and that cost as a share of each run's time per job (`--micro-jobs 0`: skip).
 """
 
 from __future__ import annotations
@@ -18,11 +23,17 @@ import asyncio
 import os
 import statistics
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from api.request_trace import RequestTrace
 from loadtest.bench_serve import bench_http, running_service, spare_port
 from loadtest.single_stream import cpu_description
 from loadtest.workload import LevelResult, Workload
+from shared import tracing
+from shared.contracts import ChoiceEnd, DoneEvent, JobPayload, Usage
+from worker.job_state import JobState
+from worker.tracing import record_attempt
 
 
 class OtlpSink:
@@ -54,6 +65,38 @@ class OtlpSink:
         self.server.shutdown()
 
 
+def traced_job(index: int, loop: asyncio.AbstractEventLoop) -> None:
+    """Every span one job makes, API and worker side, with realistic timestamps."""
+    now = time.time()
+    payload = JobPayload(
+        id=f"job-{index}", endpoint="chat.completions", model="m", prompt_token_ids=[1, 2, 3]
+    )
+    trace = RequestTrace("/v1/chat/completions", payload, start=now)
+    with trace.enqueue():
+        pass
+    job = JobState.create(payload, 1, payload.prompt_token_ids, loop, picked_at=now)
+    job.timings.scheduled_at = job.timings.first_token_at = job.last_token_at = time.time()
+    job.timings.finished_at = time.time()
+    trace.relay_started()
+    record_attempt(job, "w", "completed", (time.time(), time.time()))
+    done = DoneEvent(choices=[ChoiceEnd(index=0, finish_reason="stop")], usage=Usage())
+    trace.finish(done)
+
+
+def micro_cost(sink: OtlpSink, num_jobs: int) -> float:
+    """CPU seconds per job that tracing costs, export to the sink included."""
+    loop = asyncio.new_event_loop()
+    tracing.configure(sink.url, "ladle-bench")
+    started = time.process_time()
+    try:
+        for index in range(num_jobs):
+            traced_job(index, loop)
+    finally:
+        tracing.shutdown()  # flushes: the export's CPU is counted
+        loop.close()
+    return (time.process_time() - started) / num_jobs
+
+
 def run_once(traced: bool, sink: OtlpSink, workload: Workload, args: argparse.Namespace):  # noqa: ANN201
     env = {"LLM_OTEL_ENDPOINT": sink.url} if traced else {"LLM_OTEL_ENDPOINT": ""}
     with running_service(args.workers, extra_env=env) as base_url:
@@ -69,6 +112,16 @@ def schedule(rounds: int) -> list[bool]:
     for i in range(rounds):
         order += [False, True] if i % 2 == 0 else [True, False]
     return order
+
+
+def report_micro(cost_s: float, runs: list[tuple[bool, LevelResult]], num_jobs: int) -> None:
+    print(f"\ntracing CPU per job: {cost_s * 1e6:.0f} us ({num_jobs} jobs, 10 spans each)")
+    for i, (traced, r) in enumerate(runs, 1):
+        jobs_per_s = r.requests_per_s
+        print(
+            f"run {i} ({'on' if traced else 'off'}): {jobs_per_s:.2f} jobs/s -> tracing would "
+            f"take {100 * cost_s * jobs_per_s:.3f} % of one core"
+        )
 
 
 def report(runs: list[tuple[bool, LevelResult]], sink: OtlpSink, load: tuple) -> None:
@@ -100,9 +153,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=2, help="on/off pairs (2)")
+    parser.add_argument("--rounds", type=int, default=2, help="on/off pairs (2; 0: CPU cost only)")
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--max-seconds", type=float, default=300.0, help="limit per run")
+    parser.add_argument("--micro-jobs", type=int, default=2000, help="jobs for the CPU cost")
     return parser.parse_args(argv)
 
 
@@ -117,9 +171,13 @@ def main(argv: list[str] | None = None) -> int:
         for traced in schedule(args.rounds):
             print(f"run {len(runs) + 1}: tracing {'on' if traced else 'off'}", flush=True)
             runs.append((traced, run_once(traced, sink, workload, args)))
+        cost_s = micro_cost(sink, args.micro_jobs) if args.micro_jobs else None
     finally:
         sink.close()
-    report(runs, sink, load)
+    if runs:
+        report(runs, sink, load)
+    if cost_s is not None:
+        report_micro(cost_s, runs, args.micro_jobs)
     return 0
 
 

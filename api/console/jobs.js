@@ -1,5 +1,6 @@
-// Jobs: the caller's recent jobs (status, attempts, timings) and one job's detail: its phase
-// timings as a bar, and its event timeline (deltas summarised, restarts, the end).
+// Jobs: the caller's recent jobs (status, attempts, timings), its batches (lines done), and
+// one job's detail: its phase timings as a bar, and its event timeline (deltas summarised,
+// restarts, the end).
 
 import { clock, el, entryTime, getJson, ms, request, sseMessages } from "/console/api.js";
 
@@ -19,8 +20,9 @@ export function initJobs() {
 }
 
 export async function refreshJobs() {
-  const { data } = await getJson("/v1/jobs?limit=50");
-  $("jobs-rows").replaceChildren(...data.map(row));
+  const [{ data }, batches] = await Promise.all([getJson("/v1/jobs?limit=50"), getJson("/v1/batches?limit=20")]);
+  $("jobs-rows").replaceChildren(...(data.length ? data.map(row) : [emptyRow(9, "No jobs yet")]));
+  $("batch-rows").replaceChildren(...(batches.data.length ? batches.data.map(batchRow) : [emptyRow(8, "No batches")]));
   const current = data.find((job) => job.id === selected);
   if (current) showSummary(current);
 }
@@ -32,9 +34,9 @@ function span(timings, from, to) {
 function row(job) {
   const t = job.timings;
   const tr = el("tr", { dataset: { jobId: job.id }, class: job.id === selected ? "selected" : "" },
-    el("td", { class: "mono" }, job.id.slice(0, 14) + "…"),
+    el("td", { class: "mono", title: job.id }, job.id.slice(4, 14) + "…"),
     el("td", {}, clock(job.created_at)),
-    el("td", {}, job.model),
+    el("td", {}, job.model.length > 22 ? job.model.slice(0, 21) + "…" : job.model),
     el("td", {}, el("span", { class: "pill", dataset: { status: job.status } }, job.status)),
     el("td", { class: "num" }, String(job.attempts)),
     el("td", { class: "num" }, ms(span(t, "queued_at", "picked_at") ?? (job.started_at ? job.started_at - job.created_at : null))),
@@ -43,6 +45,24 @@ function row(job) {
     el("td", { class: "num" }, job.usage ? `${job.usage.prompt_tokens} → ${job.usage.completion_tokens}` : "–"));
   tr.addEventListener("click", () => select(job));
   return tr;
+}
+
+function emptyRow(columns, text) {
+  return el("tr", {}, el("td", { class: "empty", colspan: String(columns) }, text));
+}
+
+function batchRow(batch) {
+  const counts = batch.request_counts;
+  const done = counts.total ? (counts.completed + counts.failed) / counts.total : 0;
+  return el("tr", { dataset: { batchId: batch.id } },
+    el("td", { class: "mono", title: batch.id }, batch.id.slice(0, 14) + "…"),
+    el("td", {}, clock(batch.created_at)),
+    el("td", {}, batch.endpoint),
+    el("td", {}, el("span", { class: "pill", dataset: { status: batch.status } }, batch.status)),
+    el("td", {}, el("div", { class: "bar small" }, el("div", { class: "bar-fill", style: { width: `${(100 * done).toFixed(1)}%` } }))),
+    el("td", { class: "num" }, String(counts.completed)),
+    el("td", { class: "num" }, String(counts.failed)),
+    el("td", { class: "num" }, String(counts.total)));
 }
 
 function select(job) {

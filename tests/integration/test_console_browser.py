@@ -98,13 +98,27 @@ def test_console_chat_fleet_and_jobs(console_service: Service, shots: Path) -> N
         stats = chat.text_content(".msg.assistant .stats") or ""
         assert "TTFT" in stats and "tok/s" in stats and "finish: " in stats
         fleet.wait_for_selector(".card[data-kv-used='0']")
+
+        # The same chat sent as a job: its events are listed under the answer.
+        chat.check("#pg-as-job")
+        chat.fill("#pg-max-tokens", "16")
+        chat.fill("#pg-input", "Give the dragon a name.")
+        chat.press("#pg-input", "Enter")
+        job_answer = ".msg.assistant >> nth=1"
+        chat.wait_for_selector(f"{job_answer} >> .stats[data-finish]")
+        kinds = chat.eval_on_selector_all(
+            ".msg.assistant:nth-of-type(4) .events li", "items => items.map(i => i.dataset.kind)"
+        )
+        assert kinds[:2] == ["submitted", "started"] and kinds[-1] == "done", kinds
+        assert "delta" in kinds
         chat.screenshot(path=str(shots / "console-playground.png"))
 
         chat.goto(console_service.base_url + "/console#jobs")
-        chat.click("#jobs-rows tr[data-job-id]")
+        chat.wait_for_selector("#jobs-rows tr[data-job-id] >> nth=1")
+        assert chat.locator("#jobs-rows tr[data-job-id]").count() == 2
+        chat.click("#jobs-rows tr[data-job-id] >> nth=1")  # the streamed chat, older
         chat.wait_for_selector("#job-timeline li[data-kind='done']")
         chat.wait_for_selector(".phase-bar .phase")
-        assert chat.locator("#jobs-rows tr").count() == 1
         chat.screenshot(path=str(shots / "console-jobs.png"))
         browser.close()
     assert errors == []

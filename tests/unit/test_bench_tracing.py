@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from loadtest.bench_tracing import OtlpSink, schedule
+from loadtest.bench_tracing import OtlpSink, micro_cost, schedule
 from shared import tracing
 
 
@@ -28,4 +28,13 @@ def test_configured_tracing_exports_spans_over_otlp_http() -> None:
         assert not tracing.enabled()
     finally:
         tracing.shutdown()
+        sink.close()
+
+
+def test_micro_cost_runs_the_real_span_code_and_exports_it() -> None:
+    sink = OtlpSink()
+    try:
+        assert micro_cost(sink, 3) > 0
+        assert sink.num_exports >= 1 and not tracing.enabled()
+    finally:
         sink.close()
