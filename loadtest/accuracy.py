@@ -13,7 +13,8 @@
    scored in consecutive windows of `--window` tokens (each window's first token unscored).
 
 A variant is a dtype (`float32`, `bfloat16`) or a quantization (`int8`, `int4`, run with
-bf16 embeddings, norms and lm_head, the default dtype on CPUs with native bf16).
+bf16 embeddings, norms and lm_head, the default dtype on CPUs with native bf16; `int8/float32`
+keeps those in float32).
 Prompts: the chat template over short varied user questions (real text, not random ids).
 """
 
@@ -70,13 +71,15 @@ def questions(count: int) -> list[str]:
 
 
 def build_llm(model: str, variant: str) -> LLM:
-    """The offline engine for `variant`: a dtype, or a quantization over bf16."""
-    quantized = variant in QUANTIZED
+    """The offline engine for `variant`: a dtype, or a quantization over bf16 ("int8") or
+    over another dtype for the rest of the model ("int8/float32")."""
+    name, _, rest_dtype = variant.partition("/")
+    quantized = name in QUANTIZED
     return LLM(
         EngineConfig(
             model=model,
-            dtype="bfloat16" if quantized else variant,
-            quantization=variant if quantized else "none",
+            dtype=(rest_dtype or "bfloat16") if quantized else name,
+            quantization=name if quantized else "none",
             device="cpu",
             kv_cache_size_mb=256,
             enable_prefix_caching=False,

