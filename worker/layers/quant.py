@@ -99,7 +99,8 @@ def _kernel_exact(values: torch.Tensor) -> torch.Tensor:
     """`values` rounded to what the kernels hold (`COMPUTE_DTYPE`), back in float32.
 
     Quantizing against the scales the kernel will really use keeps their rounding out of the
-    weights: the integers absorb it (int8 agreement with float32 +0.4 points on SmolLM2).
+    weights: the integers absorb it (measured on SmolLM2's int8 top-1 agreement with float32:
+    95.69% -> 95.75%, `loadtest.accuracy`, 2026-11-30, i.e. within noise there).
     """
     return values.to(COMPUTE_DTYPE).float()
 
