@@ -62,7 +62,10 @@ class Settings(BaseSettings):
         description="draft tokens per decode step from n-gram prompt lookup; 0: off",
     )
     speculative_ngram_size: int = Field(
-        3, ge=1, le=8, description="longest n-gram matched for speculation (down to 1)"
+        3,
+        ge=1,
+        le=8,
+        description="longest n-gram matched for speculation (2 tokens at least, 1 if this is 1)",
     )
     compile: Literal["auto", "on", "off"] = Field(
         "auto",

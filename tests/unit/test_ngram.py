@@ -47,6 +47,28 @@ def test_index_follows_appended_tokens_and_is_released() -> None:
     assert proposer._indexes == {}
 
 
+def test_drafting_pauses_after_outright_misses_and_resumes_on_acceptance() -> None:
+    proposer = NgramProposer(num_draft_tokens=2, max_ngram=2)
+    request = make_request([1, 2, 1, 2, 1])
+
+    def pause_length() -> int:
+        steps = 0
+        while not proposer.propose(request, 2):
+            steps += 1
+        return steps
+
+    assert proposer.propose(request, 2) == [2, 1]
+    pauses = []
+    for _ in range(6):
+        proposer.record("r", num_accepted=0)
+        pauses.append(pause_length())
+    assert pauses == [1, 2, 4, 8, 16, 16]
+    proposer.record("r", num_accepted=1)
+    assert proposer.propose(request, 2) == [2, 1]
+    proposer.record("r", num_accepted=0)
+    assert pause_length() == 1  # the run of misses starts again
+
+
 def test_accept_drafts_keeps_longest_agreeing_prefix() -> None:
     assert accept_drafts([5, 6, 7], [5, 6, 7, 8]) == 3
     assert accept_drafts([5, 6, 7], [5, 9, 7, 8]) == 1

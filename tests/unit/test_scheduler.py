@@ -380,7 +380,11 @@ def test_random_workload_keeps_kv_content_consistent(num_drafts: int) -> None:
     """
     rng = random.Random(0)
     scheduler = make_scheduler(
-        num_blocks=12, max_num_batched_tokens=16, max_num_seqs=5, num_speculative_tokens=num_drafts
+        num_blocks=12,
+        max_num_batched_tokens=16,
+        max_num_seqs=5,
+        num_speculative_tokens=num_drafts,
+        speculative_max_ngram=1,  # draft on any repeated token: many drafts, many rejected
     )
     bm = scheduler.block_manager
     prefixes = [[rng.randrange(50) for _ in range(9)] for _ in range(3)]
@@ -460,12 +464,14 @@ def test_speculation_rolls_back_rejected_drafts_exactly() -> None:
     assert (stats.num_draft_tokens, stats.num_accepted_tokens) == (3, 1)
     assert (stats.num_decode_steps, stats.num_decode_tokens) == (1, 2)
 
-    # No earlier 7: a plain decode step; then drafts again, all accepted, plus a bonus token.
+    # "1 7" and then "7 2" occurred nowhere before: plain decode steps. Then "2 3" did (twice;
+    # the most recent counts): drafts again, capped by max_tokens, all accepted, plus a bonus.
+    for token in (2, 3):
+        output = scheduler.schedule()
+        assert [(c.num_tokens, c.draft_token_ids) for c in output.chunks] == [(1, [])]
+        scheduler.update_from_output(output, ModelRunnerOutput({"a": [SampledToken(token)]}))
     output = scheduler.schedule()
-    assert [(c.num_tokens, c.draft_token_ids) for c in output.chunks] == [(1, [])]
-    scheduler.update_from_output(output, ModelRunnerOutput({"a": [SampledToken(2)]}))
-    output = scheduler.schedule()
-    assert output.chunks[0].draft_token_ids == [3, 1, 7]  # after the earlier "2", capped: 8 - 4 - 1
+    assert output.chunks[0].draft_token_ids == [1, 7]  # 3 follow, but 8 - 5 outputs - 1 = 2
     kept = [SampledToken(t) for t in output.chunks[0].draft_token_ids] + [SampledToken(9)]
     scheduler.update_from_output(output, ModelRunnerOutput({"a": kept}))
     assert request.output_token_ids == [3, 1, 7, 2, 3, 1, 7, 9]

@@ -348,6 +348,8 @@ class Scheduler:
     def _count_decode(self, chunk: ScheduledChunk, num_tokens: int) -> None:
         if not chunk.is_decode:
             return
+        if chunk.draft_token_ids and self.proposer is not None:
+            self.proposer.record(chunk.request.request_id, num_tokens - 1)
         stats = self.spec_stats
         stats.num_draft_tokens += len(chunk.draft_token_ids)
         stats.num_accepted_tokens += num_tokens - 1
