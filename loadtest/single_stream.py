@@ -5,7 +5,7 @@
 
 llama.cpp runs through llama-cpp-python in its own virtualenv (`--venv`, default
 .cache/llamacpp-venv, git-ignored; PyPI ships it as source only, so the first run compiles
-llama.cpp: ~40 min on 2 busy cores). Both engines load the default model's GGUF (Ladle reads
+llama.cpp: ~95 min on 2 busy cores). Both engines load the default model's GGUF (Ladle reads
 it through its GGUF path: int4 takes its Q4_1 blocks as they are), get the same random prompt
 token ids, decode greedily with `--threads` threads (default: Ladle's decode-thread default,
 half the cores), and are timed from the first generated token to the last: tokens/s of decode
