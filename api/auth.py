@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from fastapi import Request
+from typing import Annotated
+
+from fastapi import Depends, Request
 
 from api.errors import APIError
 from api.keyring import api_key_id
@@ -45,3 +47,7 @@ async def require_api_key(request: Request) -> str | None:
     request.state.quota = Quota(policy)
     await services.limiter.peek(request.state.quota)
     return policy.key_id
+
+
+# A route's `api_key_id: ApiKeyId` parameter: the caller's key id, checked (one declaration).
+ApiKeyId = Annotated[str | None, Depends(require_api_key)]

@@ -5,10 +5,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 
-from api.auth import require_api_key
+from api.auth import ApiKeyId
 from api.batch_runner import ControlQueue
 from api.completions import allowed_priorities, parse_body
 from api.errors import APIError
@@ -16,7 +16,7 @@ from api.files import list_object
 from api.idempotency import fingerprint, idempotency_key
 from api.protocol import BatchCreateRequest, openapi_body
 from api.routes_files import owner_of
-from api.services import Services, get_services
+from api.services import Services, ServicesDep
 from shared.batches import COMPLETION_WINDOWS, BatchRecord, new_batch_id
 
 router = APIRouter()
@@ -24,9 +24,9 @@ router = APIRouter()
 
 @router.post("/v1/batches", openapi_extra=openapi_body(BatchCreateRequest))
 async def create_batch(
+    api_key_id: ApiKeyId,
+    services: ServicesDep,
     request: Request,
-    api_key_id: str | None = Depends(require_api_key),
-    services: Services = Depends(get_services),
 ) -> JSONResponse:
     """Create a batch. With `Idempotency-Key`, the same key and body give back the first
     batch (`Idempotent-Replayed: true`) and another body a 409."""
@@ -83,9 +83,9 @@ async def _new_batch(request: Request, services: Services, owner: str) -> BatchR
 
 @router.get("/v1/batches/{batch_id}")
 async def get_batch(
+    api_key_id: ApiKeyId,
+    services: ServicesDep,
     batch_id: str,
-    api_key_id: str | None = Depends(require_api_key),
-    services: Services = Depends(get_services),
 ) -> dict[str, Any]:
     record = await services.batches.get_owned(batch_id, owner_of(api_key_id))
     await ControlQueue(services).ensure(record)
@@ -94,10 +94,10 @@ async def get_batch(
 
 @router.get("/v1/batches")
 async def list_batches(
+    api_key_id: ApiKeyId,
+    services: ServicesDep,
     after: str | None = None,
     limit: int = Query(20, ge=1, le=100),
-    api_key_id: str | None = Depends(require_api_key),
-    services: Services = Depends(get_services),
 ) -> dict[str, Any]:
     records, has_more = await services.batches.list(owner_of(api_key_id), after, limit)
     return list_object([r.public() for r in records], has_more)
@@ -105,9 +105,9 @@ async def list_batches(
 
 @router.post("/v1/batches/{batch_id}/cancel")
 async def cancel_batch(
+    api_key_id: ApiKeyId,
+    services: ServicesDep,
     batch_id: str,
-    api_key_id: str | None = Depends(require_api_key),
-    services: Services = Depends(get_services),
 ) -> dict[str, Any]:
     """validating/in_progress -> cancelling: queued lines stop, finished ones are kept; the
     batch ends `cancelled` once the lines running now finish."""

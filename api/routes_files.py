@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 from starlette.datastructures import UploadFile
 
-from api.auth import require_api_key
+from api.auth import ApiKeyId
 from api.errors import APIError
 from api.files import list_object, parse_batch_file
-from api.services import Services, get_services
+from api.services import ServicesDep
 from shared.batches import NO_OWNER, FileRecord, new_file_id
 
 router = APIRouter()
@@ -38,9 +38,9 @@ async def _read_form(request: Request) -> tuple[str, UploadFile]:
 
 @router.post("/v1/files")
 async def create_file(
+    api_key_id: ApiKeyId,
+    services: ServicesDep,
     request: Request,
-    api_key_id: str | None = Depends(require_api_key),
-    services: Services = Depends(get_services),
 ) -> dict[str, Any]:
     settings = services.settings
     purpose, upload = await _read_form(request)
@@ -64,11 +64,11 @@ async def create_file(
 
 @router.get("/v1/files")
 async def list_files(
+    api_key_id: ApiKeyId,
+    services: ServicesDep,
     after: str | None = None,
     limit: int = Query(10_000, ge=1, le=10_000),
     purpose: str | None = None,
-    api_key_id: str | None = Depends(require_api_key),
-    services: Services = Depends(get_services),
 ) -> dict[str, Any]:
     records, has_more = await services.files.list(owner_of(api_key_id), after, limit)
     items = [r.public() for r in records if purpose is None or r.purpose == purpose]
@@ -77,18 +77,18 @@ async def list_files(
 
 @router.get("/v1/files/{file_id}")
 async def get_file(
+    api_key_id: ApiKeyId,
+    services: ServicesDep,
     file_id: str,
-    api_key_id: str | None = Depends(require_api_key),
-    services: Services = Depends(get_services),
 ) -> dict[str, Any]:
     return (await services.files.get(file_id, owner_of(api_key_id))).public()
 
 
 @router.get("/v1/files/{file_id}/content")
 async def file_content(
+    api_key_id: ApiKeyId,
+    services: ServicesDep,
     file_id: str,
-    api_key_id: str | None = Depends(require_api_key),
-    services: Services = Depends(get_services),
 ) -> Response:
     content = await services.files.content(file_id, owner_of(api_key_id))
     return Response(content, media_type="application/octet-stream")
@@ -96,9 +96,9 @@ async def file_content(
 
 @router.delete("/v1/files/{file_id}")
 async def delete_file(
+    api_key_id: ApiKeyId,
+    services: ServicesDep,
     file_id: str,
-    api_key_id: str | None = Depends(require_api_key),
-    services: Services = Depends(get_services),
 ) -> dict[str, Any]:
     await services.files.delete(file_id, owner_of(api_key_id))
     return {"id": file_id, "object": "file", "deleted": True}

@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from api.auth import require_api_key
+from api.auth import ApiKeyId, require_api_key
 from api.completions import (
     allowed_priorities,
     parse_body,
@@ -25,7 +25,7 @@ from api.protocol import ChatCompletionRequest, CompletionRequest, JobCreateRequ
 from api.ratelimit import Quota
 from api.relay import parse_entry_id
 from api.request_trace import RequestTrace
-from api.services import Services, get_services
+from api.services import Services, ServicesDep
 from shared.contracts import (
     FINAL_STATUSES,
     TERMINAL_EVENT_TYPES,
@@ -81,9 +81,9 @@ async def job_object(services: Services, record: JobRecord) -> dict[str, Any]:
 
 @router.get("/v1/jobs")
 async def list_jobs(
+    api_key_id: ApiKeyId,
+    services: ServicesDep,
     limit: int = Query(20, ge=1, le=100),
-    api_key_id: str | None = Depends(require_api_key),
-    services: Services = Depends(get_services),
 ) -> dict:
     """The caller's newest jobs (sync and streamed requests are jobs too), newest first."""
     records = await services.jobs.recent(api_key_id, limit)
@@ -92,9 +92,9 @@ async def list_jobs(
 
 @router.post("/v1/jobs", status_code=202, openapi_extra=openapi_body(JobCreateRequest))
 async def create_job(
+    api_key_id: ApiKeyId,
+    services: ServicesDep,
     request: Request,
-    api_key_id: str | None = Depends(require_api_key),
-    services: Services = Depends(get_services),
 ) -> JSONResponse:
     """Submit a job (202). With `Idempotency-Key`, the same key and body give back the first
     job (202, `Idempotent-Replayed: true`) and another body a 409."""
@@ -152,18 +152,18 @@ async def _job_exists(services: Services, job_id: str) -> bool:
 
 @router.get("/v1/jobs/{job_id}")
 async def get_job(
+    api_key_id: ApiKeyId,
+    services: ServicesDep,
     job_id: str,
-    api_key_id: str | None = Depends(require_api_key),
-    services: Services = Depends(get_services),
 ) -> dict:
     return await job_object(services, await services.jobs.get_owned(job_id, api_key_id))
 
 
 @router.delete("/v1/jobs/{job_id}")
 async def cancel_job(
+    api_key_id: ApiKeyId,
+    services: ServicesDep,
     job_id: str,
-    api_key_id: str | None = Depends(require_api_key),
-    services: Services = Depends(get_services),
 ) -> dict:
     await services.jobs.get_owned(job_id, api_key_id)
     record = await services.jobs.cancel(job_id)
@@ -174,9 +174,9 @@ async def cancel_job(
 
 @router.get("/v1/jobs/{job_id}/events")
 async def job_events(
+    api_key_id: ApiKeyId,
+    services: ServicesDep,
     job_id: str,
-    api_key_id: str | None = Depends(require_api_key),
-    services: Services = Depends(get_services),
     last_event_id: str | None = Header(None),
 ) -> StreamingResponse:
     """Every event as SSE (`id:` = stream entry id), from the start or after Last-Event-ID."""

@@ -7,7 +7,7 @@ import asyncio
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from api.auth import require_api_key
+from api.auth import ApiKeyId, require_api_key
 from api.completions import complete, parse_body
 from api.errors import APIError, model_not_found
 from api.prompting import prompt_token_ids
@@ -18,7 +18,7 @@ from api.protocol import (
     TokenizeRequest,
     openapi_body,
 )
-from api.services import Services, get_services
+from api.services import Services, ServicesDep
 
 router = APIRouter()
 
@@ -26,8 +26,8 @@ router = APIRouter()
 @router.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest))
 async def completions(
     request: Request,
-    api_key_id: str | None = Depends(require_api_key),
-    services: Services = Depends(get_services),
+    api_key_id: ApiKeyId,
+    services: ServicesDep,
 ) -> Response:
     body = await parse_body(request, CompletionRequest)
     return await complete(request, services, body, api_key_id)
@@ -36,15 +36,15 @@ async def completions(
 @router.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest))
 async def chat_completions(
     request: Request,
-    api_key_id: str | None = Depends(require_api_key),
-    services: Services = Depends(get_services),
+    api_key_id: ApiKeyId,
+    services: ServicesDep,
 ) -> Response:
     body = await parse_body(request, ChatCompletionRequest)
     return await complete(request, services, body, api_key_id)
 
 
 @router.get("/v1/models", dependencies=[Depends(require_api_key)])
-async def models(services: Services = Depends(get_services)) -> dict:
+async def models(services: ServicesDep) -> dict:
     served = await services.workers.models()
     data = [
         {
@@ -76,7 +76,7 @@ async def _model_len(services: Services, requested: str | None) -> int | None:
     dependencies=[Depends(require_api_key)],
     openapi_extra=openapi_body(TokenizeRequest),
 )
-async def tokenize(request: Request, services: Services = Depends(get_services)) -> dict:
+async def tokenize(request: Request, services: ServicesDep) -> dict:
     body = await parse_body(request, TokenizeRequest)
     max_model_len = await _model_len(services, body.model)
     tokenizer = await services.tokenizer.get(body.model)
@@ -97,7 +97,7 @@ async def tokenize(request: Request, services: Services = Depends(get_services))
     dependencies=[Depends(require_api_key)],
     openapi_extra=openapi_body(DetokenizeRequest),
 )
-async def detokenize(request: Request, services: Services = Depends(get_services)) -> dict:
+async def detokenize(request: Request, services: ServicesDep) -> dict:
     body = await parse_body(request, DetokenizeRequest)
     await _model_len(services, body.model)
     tokenizer = await services.tokenizer.get(body.model)

@@ -10,7 +10,7 @@ from redis.exceptions import RedisError
 
 from api.auth import require_api_key
 from api.errors import APIError
-from api.services import Services, get_services
+from api.services import Services, ServicesDep
 from api.workers import supervised_children
 from shared.metrics import render
 
@@ -25,7 +25,7 @@ async def health() -> dict:
 
 
 @router.get("/ready")
-async def ready(services: Services = Depends(get_services)) -> JSONResponse:
+async def ready(services: ServicesDep) -> JSONResponse:
     """Ready: Redis answers and a live worker serves the configured model. Under `ladle up`
     the body also lists the supervised processes, and `warnings` names any that crash-looped
     and are no longer restarted (the rest keep serving, so that alone is not a 503)."""
@@ -49,7 +49,7 @@ async def ready(services: Services = Depends(get_services)) -> JSONResponse:
 
 
 @router.get("/metrics", dependencies=[Depends(require_api_key)])
-async def metrics(services: Services = Depends(get_services)) -> Response:
+async def metrics(services: ServicesDep) -> Response:
     """Prometheus text format; needs a key when keys are set (Prometheus: `authorization`)."""
     try:
         await _observe_lanes(services)
@@ -71,7 +71,7 @@ async def _observe_lanes(services: Services) -> None:
 
 
 @router.get("/v1/workers", dependencies=[Depends(require_api_key)])
-async def workers(services: Services = Depends(get_services)) -> dict:
+async def workers(services: ServicesDep) -> dict:
     data = [
         {
             "id": w.worker_id,
@@ -99,7 +99,7 @@ async def workers(services: Services = Depends(get_services)) -> dict:
 
 
 @router.get("/v1/queues", dependencies=[Depends(require_api_key)])
-async def queues(services: Services = Depends(get_services)) -> dict:
+async def queues(services: ServicesDep) -> dict:
     """Jobs waiting in each queue (model and lane), for the console's fleet view."""
     return {
         "object": "list",

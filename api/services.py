@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
 
 from arq.connections import ArqRedis
-from fastapi import Request
+from fastapi import Depends, Request
 
 from api.batches import BatchStore
 from api.files import FileStore
@@ -40,3 +41,7 @@ class Services:
 
 def get_services(request: Request) -> Services:
     return request.app.state.services
+
+
+# A route's `services: ServicesDep` parameter: the process's shared services.
+ServicesDep = Annotated[Services, Depends(get_services)]

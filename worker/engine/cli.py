@@ -6,11 +6,17 @@ import argparse
 import logging
 import sys
 import time
-from typing import get_args
+from dataclasses import fields
+from typing import Any, get_args
 
 from shared.config import Settings, apply_openmp_defaults
 from worker.engine.config import EngineConfig
 from worker.engine.sampling_params import SamplingParams
+
+
+def _fields_from(args: argparse.Namespace, cls: type) -> dict[str, Any]:
+    """The flags named like a field of the dataclass `cls` (flags and fields share names)."""
+    return {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
 
 
 def _choices(name: str) -> tuple[str, ...]:
@@ -71,25 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     prompts = args.prompt or [sys.stdin.read()]
     started = time.perf_counter()
-    llm = LLM(
-        EngineConfig(
-            model=args.model,
-            dtype=args.dtype,
-            device=args.device,
-            quantization=args.quantization,
-            kv_cache_size_mb=args.kv_cache_size_mb,
-            speculative_ngram=args.speculative_ngram,
-        )
-    )
+    llm = LLM(EngineConfig(**_fields_from(args, EngineConfig)))
     load_s = time.perf_counter() - started
-    params = SamplingParams(
-        n=args.n,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        max_tokens=args.max_tokens,
-    )
+    params = SamplingParams(**_fields_from(args, SamplingParams))
     started = time.perf_counter()
     if args.chat:
         results = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
