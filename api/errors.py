@@ -11,6 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import OutOfMemoryError as RedisOutOfMemoryError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -148,6 +149,20 @@ async def _redis_down(_: Request, exc: Exception) -> JSONResponse:
     return redis_unavailable().response()
 
 
+def redis_full() -> APIError:
+    return APIError(
+        503,
+        "Redis is full (maxmemory reached) and refuses writes; nothing was queued, retry later",
+        code="redis_out_of_memory",
+        headers={"Retry-After": "5"},
+    )
+
+
+async def _redis_full(_: Request, exc: Exception) -> JSONResponse:
+    log.error("redis refuses writes: maxmemory reached", extra={"error": repr(exc)})
+    return redis_full().response()
+
+
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation)
@@ -155,3 +170,4 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, _http)
     app.add_exception_handler(RedisConnectionError, _redis_down)
     app.add_exception_handler(RedisTimeoutError, _redis_down)
+    app.add_exception_handler(RedisOutOfMemoryError, _redis_full)

@@ -12,6 +12,7 @@ from typing import Any, get_args
 
 from arq.connections import ArqRedis
 from arq.constants import in_progress_key_prefix, job_key_prefix
+from redis.exceptions import RedisError
 
 from api.errors import APIError
 from api.ratelimit import Quota, RateLimiter
@@ -88,11 +89,30 @@ class JobStore:
         except APIError:
             await self.limiter.refund(reservation)
             raise
-        record, is_new = await self._enqueue(payload, url, only_new=False, reservation=reservation)
+        try:
+            record, is_new = await self._enqueue(
+                payload, url, only_new=False, reservation=reservation
+            )
+        except (RedisError, OSError):
+            await self._undo(payload, reservation)
+            raise
         if not is_new:
             raise APIError(500, "Job id collision", error_type="server_error")
         await self.redis.publish(self.keys.wake_channel, payload.id)
         return record
+
+    async def _undo(self, payload: JobPayload, reservation: TokenReservation | None) -> None:
+        """Remove what a submission that failed half-way wrote (Redis refused a write at
+        maxmemory, or went away): DEL and SREM are allowed even when Redis is full."""
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.delete(self.keys.job(payload.id), self.keys.payload(payload.id))
+                if payload.api_key_id:
+                    pipe.srem(self.keys.key_jobs(payload.api_key_id), payload.id)
+                await pipe.execute()
+            await self.limiter.refund(reservation)
+        except (RedisError, OSError) as exc:
+            log.warning("could not undo a failed submission", extra={"error": repr(exc)})
 
     async def submit_line(self, payload: JobPayload, url: str) -> None:
         """Enqueue a batch line: no admission (its batch is the limit), and idempotent (the

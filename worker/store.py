@@ -9,6 +9,7 @@ from typing import TypeVar
 
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import OutOfMemoryError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared.contracts import FINAL_STATUSES, QUEUED_GRACE_S, JobRecord, encode_event
@@ -18,8 +19,15 @@ from shared.retry import Backoff, retry
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-# Redis being away (down, restarting, loading its AOF), as opposed to a bad command.
-REDIS_DOWN_ERRORS = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
+# Redis being away (down, restarting, loading its AOF) or refusing writes at maxmemory, as
+# opposed to a bad command: each passes, so the job's writes wait and retry.
+REDIS_DOWN_ERRORS = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    OutOfMemoryError,
+    ConnectionError,
+    OSError,
+)
 # How long a job's writes wait for Redis to come back before giving up (then logged).
 WRITE_DEADLINE_S = 120.0
 WRITE_BACKOFF = Backoff(first_s=0.05, max_s=2.0)
