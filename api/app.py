@@ -72,7 +72,12 @@ def build_services(
         settings=settings,
         keys=keys,
         redis=redis,
-        relay=Relay(redis, keys, verify_delay_s=max(2.0, 5 * settings.heartbeat_interval_s)),
+        relay=Relay(
+            redis,
+            keys,
+            verify_delay_s=max(2.0, 5 * settings.heartbeat_interval_s),
+            max_buffered=settings.stream_buffer_events,
+        ),
         jobs=JobStore(redis, keys, settings, limiter),
         workers=workers,
         tokenizer=TokenizerHolder(settings, tokenizer_loader, workers.source),

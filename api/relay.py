@@ -39,27 +39,45 @@ def parse_entry_id(entry_id: str) -> tuple[int, int]:
 
 @dataclass(eq=False)
 class Subscription:
-    """One reader of one job's events, from after `last_id`."""
+    """One reader of one job's events, from after `last_id`.
+
+    At most `max_buffered` events wait in memory: a reader that falls behind (a slow client
+    behind a full socket) is paused, and the relay stops reading its stream for it; the
+    entries wait in Redis and are read again once it has taken half of its backlog. So a
+    slow client costs the API a bounded amount of memory and the worker nothing."""
 
     job_id: str
     stream: str
     last_id: str = "0-0"
+    max_buffered: int = 256
+    on_resume: Callable[[], None] = lambda: None
+    is_paused: bool = False
     queue: asyncio.Queue[tuple[str, StreamEvent]] = field(default_factory=asyncio.Queue)
 
     async def next(self, timeout: float | None) -> tuple[str, StreamEvent]:
         """The next (entry id, event); raises TimeoutError."""
-        return await asyncio.wait_for(self.queue.get(), timeout)
+        item = await asyncio.wait_for(self.queue.get(), timeout)
+        if self.is_paused and self.queue.qsize() <= self.max_buffered // 2:
+            self.is_paused = False
+            self.on_resume()
+        return item
 
     def fail(self, event: ErrorEvent) -> None:
         """End this reader's wait with an error that did not come from the stream."""
         self.queue.put_nowait((self.last_id, event))
 
-    def _offer(self, entry_id: str, event: StreamEvent | None) -> None:
-        """Deliver an entry past our position; None (undecodable) only moves the position."""
-        if parse_entry_id(entry_id) > parse_entry_id(self.last_id):
-            self.last_id = entry_id
-            if event is not None:
-                self.queue.put_nowait((entry_id, event))
+    def _offer(self, entry_id: str, event: StreamEvent | None) -> bool:
+        """Deliver an entry past our position; None (undecodable) only moves the position.
+        False when the buffer is full: the entry is left in Redis for later."""
+        if parse_entry_id(entry_id) <= parse_entry_id(self.last_id):
+            return True
+        if event is not None and self.queue.qsize() >= self.max_buffered:
+            self.is_paused = True
+            return False
+        self.last_id = entry_id
+        if event is not None:
+            self.queue.put_nowait((entry_id, event))
+        return True
 
 
 class Relay:
@@ -72,12 +90,14 @@ class Relay:
         block_ms: int = 50,
         verify_delay_s: float = 2.0,
         outage_grace_s: float = 30.0,
+        max_buffered: int = 256,
     ) -> None:
         self.redis = redis
         self.keys = keys
         self.block_ms = block_ms
         self.verify_delay_s = verify_delay_s  # after a reconnect: workers restore records
         self.outage_grace_s = outage_grace_s
+        self.max_buffered = max_buffered
         self.healthy = True
         self.closing = False  # the API is shutting down
         self._closed = False  # ... and open waits have been ended
@@ -91,7 +111,9 @@ class Relay:
 
     def subscribe(self, job_id: str, last_id: str = "0-0") -> Subscription:
         parse_entry_id(last_id)
-        sub = Subscription(job_id, self.keys.stream(job_id), last_id)
+        sub = Subscription(
+            job_id, self.keys.stream(job_id), last_id, self.max_buffered, self._wake.set
+        )
         self._subs.setdefault(sub.stream, set()).add(sub)
         if self._closed:
             sub.fail(shutdown_error(job_id))
@@ -105,6 +127,24 @@ class Relay:
             subs.discard(sub)
             if not subs:
                 del self._subs[sub.stream]
+
+    @property
+    def num_buffered(self) -> int:
+        """Events read from Redis that clients have not taken yet (bounded per reader)."""
+        return sum(sub.queue.qsize() for subs in self._subs.values() for sub in subs)
+
+    @property
+    def num_paused(self) -> int:
+        """Readers paused because their client fell behind."""
+        return sum(sub.is_paused for subs in self._subs.values() for sub in subs)
+
+    def _positions(self) -> dict[str, str]:
+        """Where to read each stream from: the earliest reader that is not paused."""
+        return {
+            stream: min((s.last_id for s in active), key=parse_entry_id)
+            for stream, subs in self._subs.items()
+            if (active := [s for s in subs if not s.is_paused])
+        }
 
     def start(self) -> None:
         if self._task is None and not self._stopping:
@@ -158,7 +198,7 @@ class Relay:
     async def _read_when_subscribed(self) -> None:
         if self._stopping:  # a cancelled read can surface as a ConnectionError: retry ends
             return
-        while not self._subs:
+        while not self._positions():  # nobody, or only paused readers
             self._wake.clear()
             await self._wake.wait()
         await self._read_once()
@@ -209,10 +249,9 @@ class Relay:
                     sub.fail(job_lost_error(job_id))
 
     async def _read_once(self) -> None:
-        positions = {
-            stream: min((s.last_id for s in subs), key=parse_entry_id)
-            for stream, subs in self._subs.items()
-        }
+        positions = self._positions()
+        if not positions:
+            return
         replies = await self.redis.xread(positions, block=self.block_ms)
         for stream_name, entries in replies or []:
             stream = _text(stream_name)
@@ -227,7 +266,8 @@ class Relay:
         except (ValueError, TypeError) as exc:
             log.error("undecodable stream entry", extra={"stream": stream, "error": repr(exc)})
         for sub in list(self._subs.get(stream, ())):
-            sub._offer(entry_id, event)
+            if not sub.is_paused and not sub._offer(entry_id, event):
+                log.info("client behind; pausing its stream", extra={"job_id": sub.job_id})
 
 
 def _text(value: bytes | str) -> str:

@@ -55,6 +55,8 @@ async def metrics(services: ServicesDep) -> Response:
         await _observe_lanes(services)
     except (RedisError, OSError):
         pass  # the rest of the metrics are still worth scraping
+    services.metrics.relay_buffered.set(services.relay.num_buffered)
+    services.metrics.relay_paused.set(services.relay.num_paused)
     body, content_type = render(services.metrics.registry)
     return Response(body, media_type=content_type)
 

@@ -128,6 +128,9 @@ class Settings(BaseSettings):
     first_event_timeout_s: float = Field(60.0, gt=0)
     job_ttl_s: int = Field(3600, ge=1, description="how long finished jobs and streams stay")
     stream_maxlen: int = Field(10_000, ge=100)
+    stream_buffer_events: int = Field(
+        256, ge=2, description="events held per streaming client before reading pauses for it"
+    )
     log_level: str = "INFO"
 
     # Priority, lanes and the Batch API

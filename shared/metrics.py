@@ -47,6 +47,12 @@ REQUEST_DURATION = MetricSpec(
     LATENCY_BUCKETS,
 )
 ACTIVE_REQUESTS = MetricSpec("llm_active_requests", "HTTP requests in flight", Gauge)
+RELAY_BUFFERED = MetricSpec(
+    "llm_relay_buffered_events", "stream events read and not yet sent to clients", Gauge
+)
+RELAY_PAUSED = MetricSpec(
+    "llm_relay_paused_readers", "streams paused because their client reads slowly", Gauge
+)
 PENDING_REQUESTS = MetricSpec("llm_pending_requests", "jobs in the queue (arq zset)", Gauge)
 THROUGHPUT_TOKENS = MetricSpec("llm_throughput_tokens", "tokens processed", Counter, ("kind",))
 PROMPT_TOKENS = MetricSpec("llm_prompt_tokens", "prompt tokens processed", Counter)
@@ -128,6 +134,8 @@ class ApiMetrics:
         self.request_duration = REQUEST_DURATION.create(r)
         self.active_requests = ACTIVE_REQUESTS.create(r)
         self.pending_requests = PENDING_REQUESTS.create(r)
+        self.relay_buffered = RELAY_BUFFERED.create(r)
+        self.relay_paused = RELAY_PAUSED.create(r)
         self.time_to_first_token = TIME_TO_FIRST_TOKEN.create(r)
         self.e2e_latency = E2E_LATENCY.create(r)
         self.queue_time = QUEUE_TIME.create(r)
