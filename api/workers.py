@@ -10,6 +10,9 @@ from api.errors import APIError, model_not_found
 from shared.contracts import ChildStatus, ModelInfo, SupervisorRecord, WorkerRecord
 from shared.keys import Keys
 
+# Live workers that take no new jobs: shutting down, or their engine is stuck.
+NOT_SERVING = frozenset({"draining", "unhealthy"})
+
 
 class WorkerDirectory:
     """Who is alive and what they serve, cached for a fraction of a second."""
@@ -36,7 +39,7 @@ class WorkerDirectory:
         """Served model name -> the smallest max_model_len among its live workers."""
         served: dict[str, int] = {}
         for record in await self.live():
-            if record.status == "draining":
+            if record.status in NOT_SERVING:
                 continue
             served[record.model] = min(
                 served.get(record.model, record.max_model_len), record.max_model_len
@@ -55,7 +58,7 @@ class WorkerDirectory:
         """The model a request names (or the default): 404 `model_not_found` for a model no
         worker has served lately, 503 with Retry-After for one whose workers are all gone
         (unless `require_live` is off: batch lines wait in the model's queue)."""
-        live = {r.model: r for r in await self.live() if r.status != "draining"}
+        live = {r.model: r for r in await self.live() if r.status not in NOT_SERVING}
         name = requested or (default if default in live or not live else min(live))
         if name in live:
             served = await self.models()

@@ -87,6 +87,9 @@ class Settings(BaseSettings):
     shutdown_timeout_s: float = 30.0
     job_timeout_s: float = 600.0
     job_max_tries: int = Field(3, ge=1)
+    engine_stall_s: float = Field(
+        60.0, gt=0, description="a step running longer: worker unhealthy, its jobs handed back"
+    )
     worker_max_queued: int = Field(4, ge=0, description="jobs taken beyond what can run now")
     worker_metrics_port: int = Field(9101, ge=0, description="worker /metrics port; 0: off")
 

@@ -273,7 +273,7 @@ class WorkerRecord(_Wire):
     dtype: str
     compiled: bool = False  # forward compiled by inductor (LLM_COMPILE)
     kernels: dict[str, str] = Field(default_factory=dict)  # batch bucket -> kernels, threads
-    status: Literal["starting", "ready", "draining"] = "ready"
+    status: Literal["starting", "ready", "draining", "unhealthy"] = "ready"
     max_model_len: int
     block_size: int
     kv_blocks_used: int = 0

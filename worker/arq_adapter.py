@@ -194,7 +194,7 @@ def admission_capacity(service: WorkerService, lane: Lane, num_starting: int = 0
     anything waits for the engine, never the last `batch_reserved_seqs` sequence slots (kept
     for interactive requests), and at most `batch_max_seqs` at once (a step's length, which an
     arriving interactive request waits out, grows with the batch)."""
-    if service.draining:
+    if service.draining or service.is_unhealthy():
         return 0
     room = _interactive_room(service, num_starting)
     if lane == "batch":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -47,6 +48,7 @@ class EngineThread:
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._stopping = threading.Event()
         self.num_steps = 0
+        self.step_started_at: float | None = None  # monotonic; None between steps
 
     def start(self) -> None:
         self._thread.start()
@@ -55,6 +57,12 @@ class EngineThread:
         self._stopping.set()
         self._commands.put(None)
         self._thread.join(timeout)
+
+    def stalled_for(self) -> float:
+        """Seconds the current step has been running (0 between steps): a step that never
+        ends (a hung kernel, a deadlock) shows here while the rest of the worker runs on."""
+        started = self.step_started_at
+        return time.monotonic() - started if started is not None else 0.0
 
     def add(self, prepared: PreparedRequest) -> None:
         self._commands.put(_Add(prepared))
@@ -67,12 +75,15 @@ class EngineThread:
             self._drain_commands(block=not self.engine.has_unfinished_requests())
             if self._stopping.is_set() or not self.engine.has_unfinished_requests():
                 continue
+            self.step_started_at = time.monotonic()
             try:
                 outputs = self.engine.step()
             except Exception as exc:  # a bug in a step must not hang or kill the worker
                 logger.exception("engine step failed; failing its requests")
                 self._fail_all(exc)
                 continue
+            finally:
+                self.step_started_at = None
             self.num_steps += 1
             if outputs:
                 self._on_outputs(outputs)

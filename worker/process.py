@@ -60,7 +60,7 @@ class WorkerProcess:
             s.worker_ttl_s,
             stats=lambda: _stats(engine, recorder),
             job_ids=lambda: list(service.jobs),
-            status=lambda: "draining" if service.draining else "ready",
+            status=lambda: service.status,
             restore=service.restore_records,
             generated_tokens=lambda: recorder.num_generation_tokens,
         )

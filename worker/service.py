@@ -36,6 +36,7 @@ from worker.metrics import WorkerMetricsRecorder
 from worker.publisher import Publisher
 from worker.store import JobStore
 from worker.tracing import record_attempt
+from worker.watchdog import StallWatchdog
 
 logger = logging.getLogger(__name__)
 
@@ -73,11 +74,26 @@ class WorkerService:
         # Set when the API has enqueued a job: the poll loop looks at the queue at once.
         self.wake = asyncio.Event()
         self.listener = Listener(redis, self.keys, self.cancel, self.wake)
+        self.watchdog = StallWatchdog(
+            self.engine_thread, settings.engine_stall_s, self.hand_back_all
+        )
+
+    def is_unhealthy(self) -> bool:
+        """The engine thread is stuck in a step (`worker/watchdog.py`)."""
+        return self.watchdog.is_stalled
+
+    @property
+    def status(self) -> str:
+        """What the heartbeat reports."""
+        if self.draining:
+            return "draining"
+        return "unhealthy" if self.is_unhealthy() else "ready"
 
     # ---- lifecycle ---------------------------------------------------------------------
 
     def start(self) -> None:
         self.engine_thread.start()
+        self.watchdog.start()
         self._tasks.append(asyncio.create_task(self.publisher.run(), name="publisher"))
         self._tasks.append(asyncio.create_task(self.listener.run(), name="cancels+wake"))
 
@@ -85,6 +101,7 @@ class WorkerService:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.watchdog.stop()
         await asyncio.to_thread(self.engine_thread.stop)
 
     # ---- one job -----------------------------------------------------------------------

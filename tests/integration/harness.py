@@ -79,12 +79,16 @@ class Service:
     def start_api(self) -> None:
         self.api = self._spawn("api", "api", {})
 
-    def start_worker(self, **settings: object) -> int:
-        """One more worker; `settings` (LLM_* without the prefix) on top of the service's."""
+    def start_worker(
+        self, module: str = "worker", env: dict[str, str] | None = None, **settings: object
+    ) -> int:
+        """One more worker; `settings` (LLM_* without the prefix) on top of the service's.
+        `module` and `env`: a test's wrapper of `python -m worker` and what it reads."""
         index = len(self.workers)
         extra = {f"LLM_{key.upper()}": str(value) for key, value in settings.items()}
+        extra.update(env or {})
         extra["LLM_WORKER_ID"] = f"{self.prefix}-w{index}"
-        self.workers.append(self._spawn("worker", f"worker{index}", extra))
+        self.workers.append(self._spawn(module, f"worker{index}", extra))
         return index
 
     def worker_id(self, index: int) -> str:
