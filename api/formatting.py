@@ -178,6 +178,8 @@ class Accumulator:
                 event.index,
                 ChoiceResult(index=event.index, text="", token_ids=[], finish_reason=""),
             )
+            if event.pos is not None and event.pos < len(choice.token_ids):
+                return  # written twice (a retried publish): already have it
             choice.text += event.text
             choice.token_ids.extend(event.token_ids)
             if event.logprobs is not None:

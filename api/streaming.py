@@ -31,6 +31,7 @@ class StreamTranslator:
     parsers: dict[int, ToolCallParser | None] = field(default_factory=dict)
     text_offset: dict[int, int] = field(default_factory=dict)
     replay_pos: dict[int, int] = field(default_factory=dict)
+    attempt_tokens: dict[int, int] = field(default_factory=dict)  # this attempt's, per choice
     started: bool = False
     done: DoneEvent | None = None
     error: ErrorEvent | None = None
@@ -57,6 +58,7 @@ class StreamTranslator:
         """Chunks to send for one event; raises StreamInconsistent."""
         if isinstance(event, RestartEvent):
             self.replay_pos = {index: 0 for index, ids in self.sent_ids.items() if ids}
+            self.attempt_tokens = {}
             return []
         if isinstance(event, DeltaEvent):
             return self._delta(event)
@@ -68,6 +70,10 @@ class StreamTranslator:
         return []
 
     def _delta(self, event: DeltaEvent) -> list[dict]:
+        seen = self.attempt_tokens.get(event.index, 0)
+        if event.pos is not None and event.pos < seen:
+            return []  # written twice (a retried publish): already handled
+        self.attempt_tokens[event.index] = seen + len(event.token_ids)
         sent = self.sent_ids.setdefault(event.index, [])
         if self._is_replay(event, sent):
             return []

@@ -209,6 +209,9 @@ class DeltaEvent(_Wire):
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None = None
+    # Tokens of this choice the attempt produced before this delta: a reader drops a delta
+    # it already has (a publish retried after Redis took it but the reply was lost).
+    pos: int | None = None
 
 
 class RestartEvent(_Wire):

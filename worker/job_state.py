@@ -67,6 +67,7 @@ class JobState:
     def apply(self, output: SequenceOutput, tokenizer: Tokenizer) -> DeltaEvent:
         """Fold one sequence output into the job and return the delta event for it."""
         choice = self.choices[output.index]
+        pos = len(choice.token_ids)
         choice.text += output.new_text
         choice.token_ids.extend(output.new_token_ids)
         logprobs = None
@@ -87,6 +88,7 @@ class JobState:
             text=output.new_text,
             token_ids=output.new_token_ids,
             logprobs=logprobs,
+            pos=pos,
         )
 
     def usage(self) -> Usage:
