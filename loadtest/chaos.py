@@ -158,7 +158,14 @@ async def warm_up(clients: Clients, http: httpx.AsyncClient) -> None:
 async def settle(up: UpProcess, ledger: Ledger, http: httpx.AsyncClient) -> None:
     """Follow every job to a final state; then the workers must be idle, Redis consistent."""
     deadline = time.monotonic() + 300
-    results = await asyncio.gather(*(poll_job(http, j, deadline) for j in ledger.job_ids))
+    limit = asyncio.Semaphore(16)  # thousands of queued requests make httpx's pool crawl
+
+    async def follow(job_id: str) -> dict | None:
+        async with limit:
+            return await poll_job(http, job_id, deadline)
+
+    print(f"following up {len(ledger.job_ids)} jobs no client saw end", flush=True)
+    results = await asyncio.gather(*(follow(job_id) for job_id in ledger.job_ids))
     # Jobs still not final are counted by check_redis (with those no client knew of).
     ledger.lost += sum(r is not None and r["status"] == "missing" for r in results)
     await wait_idle(up, http, ledger)

@@ -39,6 +39,7 @@ class Ledger:
     running_left: dict[str, int] = field(default_factory=dict)
     faults: list[str] = field(default_factory=list)
     details: list[str] = field(default_factory=list)  # what each duplicate or wrong output was
+    # Accepted jobs whose final state no client has seen yet: followed up at the end.
     job_ids: set[str] = field(default_factory=set, repr=False)
 
     def fail(self, reason: str) -> None:
@@ -115,6 +116,7 @@ class Clients:
             self._note_job(response.headers.get("x-job-id"))
             if self._refused(response):
                 return
+            self._seen_final(response.headers.get("x-job-id"))
             self._check(kind, prompt, response.json()["choices"][0]["text"])
 
     async def _stream(self, http: httpx.AsyncClient, url: str, body: dict, prompt: str) -> None:
@@ -138,6 +140,7 @@ class Clients:
         elif not done:
             self.ledger.fail("stream ended without [DONE]")
         else:
+            self._seen_final(response.headers.get("x-job-id"))
             self._check("stream", prompt, text)
 
     async def _job(self, http: httpx.AsyncClient, url: str, body: dict, prompt: str) -> None:
@@ -147,11 +150,10 @@ class Clients:
         job_id = created.json()["id"]
         self._note_job(job_id)
         job = await poll_job(http, job_id, deadline=time.monotonic() + 300)
-        if job is None:
-            return  # followed up in the final sweep
-        if job["status"] == "missing":
-            self.ledger.fail("job record missing")
-        elif job["status"] == "completed":
+        if job is None or job["status"] == "missing":
+            return  # followed up (and counted) in the final sweep
+        self._seen_final(job_id)
+        if job["status"] == "completed":
             self._check("job", prompt, job["response"]["choices"][0]["text"])
         else:
             error = job.get("error") or {}
@@ -170,6 +172,9 @@ class Clients:
     def _note_job(self, job_id: str | None) -> None:
         if job_id:
             self.ledger.job_ids.add(job_id)
+
+    def _seen_final(self, job_id: str | None) -> None:
+        self.ledger.job_ids.discard(job_id or "")
 
     def _check(self, kind: str, prompt: str, text: str) -> None:
         """Every answer equals the first one for its prompt (greedy, fixed seed)."""
