@@ -90,6 +90,7 @@ def test_batch_lines_take_only_spare_room() -> None:
     service = WorkerService.__new__(WorkerService)  # admission needs no engine thread
     service.settings, service.engine, service.draining = settings, _Engine(), False
     service.jobs, service.num_pending = _jobs("interactive", 2), 0
+    service.watchdog = SimpleNamespace(is_stalled=False)  # the engine steps
     assert admission_capacity(service, "interactive", 0) == 2  # worker_max_queued
     assert admission_capacity(service, "batch", 0) == 2  # batch_max_seqs
     assert admission_capacity(service, "batch", 1) == 1  # ... less one being started
