@@ -17,7 +17,7 @@ from pydantic import BaseModel, ValidationError
 from api.errors import APIError, error_body, validation_error
 from api.formatting import Accumulator, ResponseContext, build_response, sse_data
 from api.jobs import new_job_id
-from api.prompting import build_payload, check_context, check_limits, prompt_token_ids
+from api.prompting import build_payload, check_context, check_limits, prompts_token_ids
 from api.protocol import URL_TO_ENDPOINT, ChatCompletionRequest, OpenAIRequest
 from api.relay import Subscription
 from api.request_trace import RequestTrace
@@ -75,11 +75,15 @@ async def prepare_job(
         body.model, settings.model_id, require_live=lane == "interactive"
     )
     tokenizer = await services.tokenizer.get(model.name)
-    prompt_ids = await prompt_token_ids(tokenizer, body)
+    prompts = await prompts_token_ids(tokenizer, body)
     param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
-    max_tokens = check_context(len(prompt_ids), body.max_tokens, model.max_model_len, param)
+    max_tokens = min(
+        check_context(len(ids), body.max_tokens, model.max_model_len, param) for ids in prompts
+    )
+    prompt_ids = prompts[0]
     return build_payload(
         body,
+        prompt_batch=prompts if len(prompts) > 1 else None,
         structured=structured,
         tool_calls=with_tool_format(tool_calls, tokenizer),
         prompt_token_ids=prompt_ids,
@@ -94,14 +98,14 @@ async def prepare_job(
     )
 
 
-async def echo_text(services: Services, payload: JobPayload) -> str | None:
-    """The prompt text that `echo` puts in front of a completion (the API does the echo)."""
+async def echo_texts(services: Services, payload: JobPayload) -> list[str] | None:
+    """The prompt text that `echo` puts in front of each prompt's completions."""
     if payload.endpoint != "completions" or not payload.echo:
         return None
-    if payload.prompt is not None:
-        return payload.prompt
+    if payload.prompt is not None and payload.prompt_batch is None:
+        return [payload.prompt]
     tokenizer = await services.tokenizer.get(payload.model)
-    return await asyncio.to_thread(tokenizer.decode, payload.prompt_token_ids)
+    return [await asyncio.to_thread(tokenizer.decode, ids) for ids in payload.prompts]
 
 
 async def response_context(
@@ -112,8 +116,9 @@ async def response_context(
         job_id=payload.id,
         model=payload.model,
         created=int(payload.created),
-        n=payload.sampling.n,
-        echo_text=await echo_text(services, payload),
+        n=payload.num_choices,
+        choices_per_prompt=payload.sampling.n,
+        echo_texts=await echo_texts(services, payload),
         include_usage=include_usage,
         tool_calls=payload.tool_calls,
     )

@@ -29,14 +29,19 @@ class ResponseContext:
     job_id: str
     model: str
     created: int
-    n: int = 1
-    echo_text: str | None = None
+    n: int = 1  # choices in all: n per prompt, times the prompts
+    choices_per_prompt: int = 1
+    echo_texts: list[str] | None = None  # `echo`: each prompt's text
     include_usage: bool = False
     tool_calls: ToolCallSpec | None = None  # chat: read tool calls out of the text
 
     @property
     def is_chat(self) -> bool:
         return self.endpoint == "chat.completions"
+
+    def echo_for(self, index: int) -> str:
+        """The echoed prompt in front of choice `index` ('' without echo)."""
+        return self.echo_texts[index // self.choices_per_prompt] if self.echo_texts else ""
 
 
 def usage_dict(usage: Usage) -> dict[str, Any]:
@@ -82,9 +87,9 @@ def format_logprobs(
 
 def build_response(ctx: ResponseContext, choices: list[ChoiceResult], usage: Usage) -> dict:
     """The non-streaming `chat.completion` or `text_completion` object."""
-    echo = ctx.echo_text or ""
     out = []
     for choice in sorted(choices, key=lambda c: c.index):
+        echo = ctx.echo_for(choice.index)
         item: dict[str, Any] = {"index": choice.index, "finish_reason": choice.finish_reason}
         item["logprobs"] = format_logprobs(ctx, choice.logprobs, len(echo))
         if ctx.is_chat:

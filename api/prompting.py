@@ -87,9 +87,19 @@ async def prompt_token_ids(tokenizer: Any, request: OpenAIRequest) -> list[int]:
             )
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages", code="invalid_chat_template") from exc
-    if isinstance(request.prompt, list):
-        return list(request.prompt)
-    return await asyncio.to_thread(tokenizer.encode, request.prompt, add_special_tokens=True)
+    return (await prompts_token_ids(tokenizer, request))[0]
+
+
+async def prompts_token_ids(tokenizer: Any, request: OpenAIRequest) -> list[list[int]]:
+    """Every prompt's token ids: one for chat, one per prompt in a completions list."""
+    if isinstance(request, ChatCompletionRequest):
+        return [await prompt_token_ids(tokenizer, request)]
+    return [
+        list(prompt)
+        if isinstance(prompt, list)
+        else await asyncio.to_thread(tokenizer.encode, prompt, add_special_tokens=True)
+        for prompt in request.prompt_list()
+    ]
 
 
 def check_context(
@@ -146,6 +156,7 @@ def build_payload(
     *,
     structured: StructuredSpec | None = None,
     tool_calls: ToolCallSpec | None = None,
+    prompt_batch: list[list[int]] | None = None,
     prompt_token_ids: list[int],
     job_id: str,
     model: str,
@@ -163,6 +174,7 @@ def build_payload(
         "prompt_token_ids": prompt_token_ids,
         "sampling": sampling_spec(request, max_tokens),
         "structured": structured,
+        "prompt_batch": prompt_batch,
         "tool_calls": tool_calls,
         "stream": request.stream,
         "priority": clamp_priority(request.priority, priority_range),

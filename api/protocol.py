@@ -117,6 +117,14 @@ class SamplingFields(SamplingSpec):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
+MAX_PROMPTS = 64
+
+
+def _is_prompt_list(value: Any) -> bool:
+    """A list of prompts (strings or token-id lists), not one prompt of token ids."""
+    return isinstance(value, list) and bool(value) and isinstance(value[0], (str, list))
+
+
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
@@ -126,16 +134,20 @@ class CompletionRequest(SamplingFields):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, value: Any) -> str | list[int]:
-        if isinstance(value, list) and value and isinstance(value[0], (str, list)):
-            if len(value) != 1:
-                raise ValueError("batches of several prompts are not supported; send one")
-            value = value[0]
-        if not value:
-            raise ValueError("prompt must not be empty")
-        if isinstance(value, list) and any(t < 0 for t in value):
-            raise ValueError("token ids must be non-negative")
+    def _check_prompts(cls, value: Any) -> Any:
+        prompts = value if _is_prompt_list(value) else [value]
+        if len(prompts) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts in one request")
+        for prompt in prompts:
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            if isinstance(prompt, list) and any(t < 0 for t in prompt):
+                raise ValueError("token ids must be non-negative")
         return value
+
+    def prompt_list(self) -> list[str | list[int]]:
+        """The prompts, in order: a list of prompts gets n choices each (index p * n + j)."""
+        return list(self.prompt) if _is_prompt_list(self.prompt) else [self.prompt]  # type: ignore[arg-type]
 
     @field_validator("suffix")
     @classmethod

@@ -44,7 +44,8 @@ class _Answer:
 
 def reservation_cost(payload: JobPayload) -> int:
     """What a job reserves: its prompt and every token it may generate (OpenAI's rule)."""
-    return len(payload.prompt_token_ids) + payload.sampling.n * (payload.sampling.max_tokens or 0)
+    prompt = sum(len(ids) for ids in payload.prompts)  # a completions list: every prompt
+    return prompt + payload.num_choices * (payload.sampling.max_tokens or 0)
 
 
 class RateLimiter:

@@ -45,14 +45,12 @@ class StreamTranslator:
         if self.started:
             return []
         self.started = True
-        echo = self.ctx.echo_text or ""
         for index in range(self.ctx.n):
-            self.text_offset[index] = len(echo)
+            self.text_offset[index] = len(self.ctx.echo_for(index))
         if self.ctx.is_chat:
             return [build_chunk(self.ctx, i, text="", role="assistant") for i in range(self.ctx.n)]
-        if echo:
-            return [build_chunk(self.ctx, i, text=echo) for i in range(self.ctx.n)]
-        return []
+        echoes = [(i, self.ctx.echo_for(i)) for i in range(self.ctx.n)]
+        return [build_chunk(self.ctx, i, text=echo) for i, echo in echoes if echo]
 
     def on_event(self, event: StreamEvent) -> list[dict]:
         """Chunks to send for one event; raises StreamInconsistent."""

@@ -132,6 +132,9 @@ class JobPayload(_Wire):
     endpoint: Endpoint
     model: str
     prompt_token_ids: list[int] = Field(min_length=1)
+    # Completions given a list of prompts: every prompt's token ids, in order (the first is
+    # `prompt_token_ids`); each gets n choices, indexed prompt * n + j as OpenAI does.
+    prompt_batch: list[list[int]] | None = None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
     echo: bool = False
@@ -147,6 +150,15 @@ class JobPayload(_Wire):
     created: float = Field(default_factory=time.time)
     # W3C trace context of the API's request span (shared/tracing.py); None: tracing off.
     traceparent: str | None = None
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        """Every prompt's token ids (one, unless a completions request sent a list)."""
+        return self.prompt_batch or [self.prompt_token_ids]
+
+    @property
+    def num_choices(self) -> int:
+        return self.sampling.n * len(self.prompts)
 
     @property
     def prompt_param(self) -> str:

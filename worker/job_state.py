@@ -38,7 +38,7 @@ class JobState:
 
     payload: JobPayload
     attempt: int
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int]  # every prompt's, in order (usage counts them all)
     outcome: asyncio.Future[str]
     choices: list[ChoiceState]
     timings: Timings
@@ -57,7 +57,7 @@ class JobState:
         picked_at: float | None = None,
     ) -> JobState:
         timings = Timings(queued_at=payload.created, started_at=time.time(), picked_at=picked_at)
-        choices = [ChoiceState() for _ in range(payload.sampling.n)]
+        choices = [ChoiceState() for _ in range(payload.num_choices)]
         return cls(payload, attempt, prompt_token_ids, loop.create_future(), choices, timings)
 
     @property

@@ -136,7 +136,8 @@ class WorkerService:
             return "failed"
         finally:
             self.num_pending -= 1
-        job = JobState.create(payload, attempt, prepared.prompt_token_ids, self.loop, picked_at)
+        all_prompt_ids = [t for request in prepared for t in request.prompt_token_ids]
+        job = JobState.create(payload, attempt, all_prompt_ids, self.loop, picked_at)
         job.record_json = record.model_dump_json()
         self.jobs[payload.id] = job
         if self.metrics:
@@ -145,11 +146,12 @@ class WorkerService:
             payload.id,
             StartedEvent(
                 worker_id=self.worker_id,
-                prompt_tokens=len(prepared.prompt_token_ids),
+                prompt_tokens=len(all_prompt_ids),
                 attempt=attempt,
             ),
         )
-        self.engine_thread.add(prepared)
+        for request in prepared:
+            self.engine_thread.add(request)
         return await self._await_outcome(record, job)
 
     async def _await_outcome(self, record: JobRecord, job: JobState) -> str:
@@ -198,21 +200,27 @@ class WorkerService:
         else:  # rejected by the engine
             await self._finish(record, "failed", job.error)
 
-    def _prepare(self, payload: JobPayload) -> PreparedRequest:
-        """The job's token ids as the API sent them (never tokenized again) and its params."""
+    def _prepare(self, payload: JobPayload) -> list[PreparedRequest]:
+        """The job's token ids as the API sent them (never tokenized again) and its params:
+        one engine request per prompt, its choices numbered from prompt * n."""
         try:
             params = SamplingParams(**payload.sampling.model_dump())
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from exc
-        return self.engine.prepare(
-            payload.id,
-            payload.prompt_token_ids,
-            params,
-            payload.priority,
-            param_name=payload.prompt_param,
-            lane=payload.lane,
-            grammar=payload.structured.grammar if payload.structured else None,
-        )
+        prepared = []
+        for number, prompt_ids in enumerate(payload.prompts):
+            request = self.engine.prepare(
+                payload.id,
+                prompt_ids,
+                params,
+                payload.priority,
+                param_name=payload.prompt_param,
+                lane=payload.lane,
+                grammar=payload.structured.grammar if payload.structured else None,
+            )
+            request.first_index = number * params.n
+            prepared.append(request)
+        return prepared
 
     async def _finish(self, record: JobRecord, status: str, event: object) -> None:
         record.status = status  # type: ignore[assignment]

@@ -204,3 +204,20 @@ def _wait_job(http: httpx.Client, job_id: str) -> dict:
             if line.startswith("event: done") or line.startswith("event: error"):
                 break
     return http.get(f"/v1/jobs/{job_id}").json()
+
+
+def test_a_list_of_prompts_through_the_service(client: openai.OpenAI) -> None:
+    """One choice per prompt x n, index prompt * n + j, each as the prompt alone gives."""
+    model = client.models.list().data[0].id
+    prompts = ["Soup is", "A ladle"]
+    kwargs = dict(model=model, max_tokens=5, temperature=0, n=2)
+    both = client.completions.create(prompt=prompts, **kwargs)
+    assert [c.index for c in both.choices] == [0, 1, 2, 3]
+    for number, prompt in enumerate(prompts):
+        alone = client.completions.create(prompt=prompt, **kwargs)
+        texts = [c.text for c in both.choices[2 * number : 2 * number + 2]]
+        assert texts == [c.text for c in alone.choices]
+    assert both.usage.prompt_tokens == sum(
+        client.completions.create(prompt=p, model=model, max_tokens=1).usage.prompt_tokens
+        for p in prompts
+    )

@@ -65,7 +65,7 @@ def reply_text(index: int) -> str:
 def default_script(payload: JobPayload, prompt_tokens: int = 5) -> list:
     """`started`, one delta per character of "Hi {index}!" per choice, then `done`."""
     events: list = [StartedEvent(worker_id="fake-1", prompt_tokens=prompt_tokens)]
-    n = payload.sampling.n
+    n = payload.num_choices
     texts = [reply_text(i) for i in range(n)]
     for pos in range(max(len(t) for t in texts)):
         for index, text in enumerate(texts):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.unit.api_harness import harness
+from tests.unit.fake_worker import TOKENIZER
 from tests.unit.test_api_bad_input import CHAT, CMPL, JOBS, Case, _chat, _cmpl, _job
 from tests.unit.test_api_bad_input import test_bad_input_is_4xx_with_openai_error as check
 
@@ -197,3 +198,17 @@ async def test_valid_requests_put_grammar_and_tool_spec_in_the_job() -> None:
         assert second.tool_calls.mode == "required"
         assert '"maxItems":1' in second.structured.grammar.replace(" ", "")
         assert third.structured.kind == "choice"
+
+
+async def test_a_list_of_prompts_gets_n_choices_each_in_openai_order() -> None:
+    async with harness() as h:
+        body = _cmpl(prompt=["ab", "xyz"], n=2, echo=True)
+        r = await h.client.post(CMPL, json=body)
+        assert r.status_code == 200, r.text
+        choices = r.json()["choices"]
+        payload = h.worker.payloads[-1]
+        assert payload.prompts == [TOKENIZER.encode("ab"), TOKENIZER.encode("xyz")]
+        assert payload.num_choices == 4
+        assert [c["index"] for c in choices] == [0, 1, 2, 3]
+        echoes = ["ab", "ab", "xyz", "xyz"]
+        assert [c["text"] for c in choices] == [e + f"Hi {i}!" for i, e in enumerate(echoes)]

@@ -24,11 +24,13 @@ def _delta(index: int, token: int, text: str) -> DeltaEvent:
 
 
 def test_prompt_shapes() -> None:
-    assert CompletionRequest(prompt=["one"]).prompt == "one"
-    assert CompletionRequest(prompt=[[5, 6]]).prompt == [5, 6]
-    assert CompletionRequest(prompt=[5, 6]).prompt == [5, 6]
-    with pytest.raises(ValidationError):
-        CompletionRequest(prompt=["a", "b"])
+    assert CompletionRequest(prompt=["one"]).prompt_list() == ["one"]
+    assert CompletionRequest(prompt=[[5, 6]]).prompt_list() == [[5, 6]]
+    assert CompletionRequest(prompt=[5, 6]).prompt_list() == [[5, 6]]
+    assert CompletionRequest(prompt=[[7], [8, 9]]).prompt_list() == [[7], [8, 9]]
+    for bad in (["a", ""], [[1], []], [[1, -2]], ["x"] * 65, ["a", [7]]):
+        with pytest.raises(ValidationError):
+            CompletionRequest(prompt=bad)
     with pytest.raises(ValidationError):
         CompletionRequest(prompt="x", stop=["a"] * 17)
 
@@ -91,7 +93,7 @@ def test_accumulator_restart_and_build() -> None:
         ),
     ):
         acc.add(event)
-    ctx = ResponseContext("completions", "job-1", "m", 0, echo_text="P:")
+    ctx = ResponseContext("completions", "job-1", "m", 0, echo_texts=["P:"])
     body = build_response(ctx, acc.result(1), acc.done.usage)
     assert body["choices"][0]["text"] == "P:b" and body["choices"][0]["finish_reason"] == "length"
     assert body["usage"]["total_tokens"] == 4

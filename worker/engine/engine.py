@@ -40,6 +40,9 @@ class PreparedRequest:
     lane: str = "interactive"
     # An llguidance grammar (shared/grammar.py) every output token must follow, or None.
     grammar: str | None = None
+    # Choice index of the first of its n sequences (a request of several prompts adds one
+    # PreparedRequest per prompt under the same id, the k-th at k * n).
+    first_index: int = 0
 
 
 @dataclass
@@ -201,10 +204,11 @@ class LLMEngine:
         """Queue a prepared request; `n > 1` becomes n sequences sharing the prompt."""
         params = prepared.params
         child_ids = []
-        for index in range(params.n):
+        for j in range(params.n):
+            index = prepared.first_index + j
             child_params = params
             if params.n > 1 and params.seed is not None:
-                child_params = _with_seed(params, params.seed + index)
+                child_params = _with_seed(params, params.seed + j)
             child_id = f"{prepared.request_id}#{index}"
             request = Request(
                 request_id=child_id,
@@ -221,7 +225,7 @@ class LLMEngine:
             detok = IncrementalDetokenizer(self.tokenizer, prepared.prompt_token_ids, child_params)
             self._sequences[child_id] = _Sequence(prepared.request_id, index, detok)
             child_ids.append(child_id)
-        self._children[prepared.request_id] = child_ids
+        self._children.setdefault(prepared.request_id, []).extend(child_ids)
 
     def abort_request(self, request_id: str) -> bool:
         """Abort every sequence of a request now; its KV blocks are free on return."""
