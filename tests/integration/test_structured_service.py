@@ -221,3 +221,16 @@ def test_a_list_of_prompts_through_the_service(client: openai.OpenAI) -> None:
         client.completions.create(prompt=p, model=model, max_tokens=1).usage.prompt_tokens
         for p in prompts
     )
+
+
+def test_langchain_structured_output_and_bind_tools(svc: Service, client: openai.OpenAI) -> None:
+    from langchain_openai import ChatOpenAI
+
+    model = client.models.list().data[0].id
+    llm = ChatOpenAI(base_url=f"{svc.base_url}/v1", api_key="unused", model=model, temperature=1)
+    soup = llm.with_structured_output(Soup).invoke("Describe a soup.")
+    assert isinstance(soup, Soup)
+    bound = llm.bind_tools([TOOLS[0]], tool_choice="get_weather")
+    [call] = bound.invoke("Weather in Oslo?").tool_calls
+    assert call["name"] == "get_weather"
+    jsonschema.validate(call["args"], WEATHER)
