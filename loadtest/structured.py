@@ -12,7 +12,9 @@ One run, one service, three parts:
    exactly `--max-tokens` tokens), then unconstrained again; output tokens/s of the
    constrained arm over the mean of the two unconstrained arms;
 3. compile cost: one request at a time, interleaved: unconstrained, a schema never seen
-   (compiled in API and worker), the same schema again (cached); median TTFT of each.
+   (compiled in API and worker), the same schema again (cached); median TTFT of each; and,
+   in this process, the grammar path alone (API check + worker matcher), first and cached,
+   which a loaded machine's TTFT noise cannot resolve to the millisecond.
 Prints JSON with the figures, `uptime` load, the CPU model and the command.
 """
 
@@ -171,6 +173,33 @@ async def compile_cost(http: httpx.AsyncClient, model: str, args: argparse.Names
     }
 
 
+def compile_path(model: str) -> dict:
+    """What a request's grammar costs on its path, in this process, without the noise of a
+    loaded machine's TTFT: the API's build-and-check plus the worker's matcher, for a schema
+    never seen (each of the kept schemas, made unique) and for one seen before (cached)."""
+    from shared.grammar import build_grammar
+    from shared.tokenizer import load_tokenizer
+    from worker.engine.structured import GrammarCompiler
+
+    tokenizer = load_tokenizer(model)
+    compiler = GrammarCompiler(tokenizer.hf, tokenizer.vocab_size, tokenizer.eos_token_ids)
+    compiler.matcher(build_grammar("json_object", None))  # waits for llguidance's tokenizer
+    first, cached = [], []
+    for case in SCHEMAS:
+        schema = {**case["schema"], "title": uuid.uuid4().hex}
+        for into in (first, cached):
+            started = time.perf_counter()
+            compiler.matcher(build_grammar("json_schema", schema))
+            into.append((time.perf_counter() - started) * 1000)
+    return {
+        "first_ms_median": round(statistics.median(first), 2),
+        "first_ms_max": round(max(first), 2),
+        "cached_ms_median": round(statistics.median(cached), 3),
+        "cached_ms_max": round(max(cached), 3),
+        "schemas": len(SCHEMAS),
+    }
+
+
 async def run(base_url: str, args: argparse.Namespace) -> dict:
     async with httpx.AsyncClient(base_url=base_url, timeout=600) as http:
         model = (await http.get("/models")).json()["data"][0]["id"]
@@ -203,10 +232,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--generations", type=int, default=200)
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--ttft-samples", type=int, default=10)
+    parser.add_argument("--ttft-samples", type=int, default=20)
+    parser.add_argument("--model", default="SmolLM2-135M-Instruct", help="for compile_path")
     parser.add_argument("--json", type=Path, help="also write the report here")
     args = parser.parse_args(argv)
-    report = {"machine_before": machine()}
+    report: dict[str, Any] = {"machine_before": machine()}
+    report["compile_path"] = compile_path(args.model)
     if args.base_url:
         report.update(asyncio.run(run(args.base_url, args)))
     else:

@@ -92,6 +92,9 @@ class ArgmaxSampler:
     def __init__(self) -> None:
         self.released: list[str] = []
 
+    def begin(self, requests: list[Request]) -> None:
+        pass
+
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
         assert logits.dtype == torch.float32 and logits.shape[0] == len(requests)
         return [SampledToken(token_id=int(t)) for t in logits.argmax(dim=-1).tolist()]

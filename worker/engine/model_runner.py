@@ -21,6 +21,8 @@ logger = logging.getLogger(__name__)
 
 
 class SamplerLike(Protocol):
+    def begin(self, requests: list[Request]) -> None: ...
+
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]: ...
 
     def rewind(self, request_id: str, num_rows: int) -> None: ...
@@ -106,12 +108,13 @@ class ModelRunner:
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if scheduler_output.is_empty:
             return ModelRunnerOutput()
-        logits = self.compute_logits(scheduler_output)
         chunks = [c for c in scheduler_output.chunks if c.is_sampling]
-        if not chunks:
-            return ModelRunnerOutput()
         # A chunk with k drafts has k + 1 rows, sampled exactly as k + 1 decode steps would be.
         rows = [c.request for c in chunks for _ in range(c.num_sampled_rows)]
+        self.sampler.begin(rows)  # grammar masks are filled while the forward runs
+        logits = self.compute_logits(scheduler_output)
+        if not chunks:
+            return ModelRunnerOutput()
         sampled = self.sampler.sample(logits, rows)
         output = ModelRunnerOutput()
         row = 0

@@ -20,13 +20,14 @@ same with speculation on or off.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
 
 import torch
 
 from worker.engine.outputs import SampledToken, TopToken
 from worker.engine.request import Request
 from worker.engine.sampling_params import SamplingParams
-from worker.engine.structured import apply_bitmask, fill_bitmask
+from worker.engine.structured import apply_bitmask, fill_bitmask, start_bitmask
 
 _NEG_INF = float("-inf")
 _MIN_UNIFORM = 1e-20
@@ -39,6 +40,7 @@ class Sampler:
 
     def __init__(self) -> None:
         self._generators: dict[str, torch.Generator] = {}
+        self._masks: tuple[Sequence[Request], Future[torch.Tensor]] | None = None
         # Generator states before each seeded draw of the latest `sample` call, per request.
         self._states_before_draws: dict[str, list[torch.Tensor]] = {}
 
@@ -46,6 +48,24 @@ class Sampler:
         """Drop per-request state (seeded generators) of finished or aborted requests."""
         for request_id in request_ids:
             self._generators.pop(request_id, None)
+
+    def begin(self, requests: Sequence[Request]) -> None:
+        """Start filling the grammar masks of this step's rows (called before the forward;
+        `sample` with the same rows waits for them)."""
+        matchers = [r.grammar for r in requests if r.grammar is not None]
+        self._masks = (requests, start_bitmask(matchers)) if matchers else None
+
+    def _apply_grammars(self, logits: torch.Tensor, requests: Sequence[Request]) -> None:
+        """Constrained rows keep only the tokens their grammar allows; other rows untouched."""
+        rows = [i for i, r in enumerate(requests) if r.grammar is not None]
+        pending, self._masks = self._masks, None
+        if not rows:
+            return
+        if pending is not None and pending[0] is requests:
+            bitmask = pending[1].result()
+        else:
+            bitmask = fill_bitmask([requests[i].grammar for i in rows])  # type: ignore[misc]
+        apply_bitmask(logits, rows, bitmask)
 
     def rewind(self, request_id: str, num_rows: int) -> None:
         """Undo the random draws of the request's last `num_rows` rows in the latest call."""
@@ -67,7 +87,7 @@ class Sampler:
             return [SampledToken(token_id) for token_id in logits.argmax(dim=-1).tolist()]
         raw_logits = logits.float()
         processed = raw_logits.clone()
-        _apply_grammars(processed, requests)
+        self._apply_grammars(processed, requests)
         _apply_logit_bias(processed, requests)
         _apply_min_tokens(processed, requests)
         _apply_penalties(processed, requests)
@@ -161,14 +181,6 @@ def _has_penalties(request: Request) -> bool:
 
 def _needs_min_tokens_mask(request: Request) -> bool:
     return len(request.output_token_ids) < request.sampling_params.min_tokens
-
-
-def _apply_grammars(logits: torch.Tensor, requests: Sequence[Request]) -> None:
-    """Constrained rows keep only the tokens their grammar allows; other rows are untouched."""
-    rows = [i for i, r in enumerate(requests) if r.grammar is not None]
-    if rows:
-        matchers = [requests[i].grammar for i in rows]
-        apply_bitmask(logits, rows, fill_bitmask(matchers, logits.shape[1]))  # type: ignore[arg-type]
 
 
 def _apply_logit_bias(logits: torch.Tensor, requests: Sequence[Request]) -> None:
