@@ -1,0 +1,44 @@
+"""The API side of structured outputs: grammars built and checked without torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from shared.grammar import GrammarError, build_grammar
+
+
+def test_the_api_compiles_schemas_without_importing_torch() -> None:
+    code = (
+        "import sys, api.app, api.structured\n"
+        "from shared.grammar import build_grammar\n"
+        "build_grammar('json_schema', {'properties': {'a': {'type': 'integer'}}})\n"
+        "build_grammar('regex', '[a-z]+')\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize(
+    ("kind", "value"),
+    [
+        ("json_schema", {"type": "nonsense"}),
+        ("json_schema", [1]),
+        ("regex", "[a-"),
+        ("choice", []),
+        ("choice", ["a", 1]),
+        ("grammar", "start: missing_rule"),
+    ],
+)
+def test_specs_that_do_not_compile_raise_grammar_error(kind: str, value: object) -> None:
+    with pytest.raises(GrammarError):
+        build_grammar(kind, value)  # type: ignore[arg-type]
+
+
+def test_json_is_laid_out_like_json_dumps() -> None:
+    grammar = build_grammar("json_object", None)
+    assert '"whitespace_flexible":false' in grammar.replace(" ", "")
+    assert build_grammar("json_schema", {"type": "object"}) == grammar
