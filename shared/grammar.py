@@ -52,8 +52,12 @@ def build_grammar(kind: GrammarKind, value: Any) -> str:
             grammar = grammar_from("regex" if kind == "regex" else "grammar", value)
     except GrammarError:
         raise
-    except (ValueError, TypeError) as exc:
+    except Exception as exc:  # llguidance's own errors: any bad input is the caller's 400
         raise GrammarError(str(exc)) from exc
+    except BaseException as exc:  # a Rust panic surfaces as pyo3's PanicException
+        if type(exc).__name__ != "PanicException":
+            raise
+        raise GrammarError(f"the grammar engine rejected it: {exc}") from None
     check_grammar(grammar)
     return grammar
 
@@ -78,7 +82,12 @@ def _validate(grammar: str) -> str:
     """'' or the first error; cached, as clients resend the same schema (0.5-7 ms each)."""
     from llguidance import LLMatcher
 
-    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, None)
+    try:
+        is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, None)
+    except BaseException as exc:  # a Rust panic (PanicException) or an error: not compilable
+        if not isinstance(exc, Exception) and type(exc).__name__ != "PanicException":
+            raise
+        return f"the grammar engine rejected it: {exc}"
     return messages[0] if is_error else ""
 
 
