@@ -100,7 +100,8 @@ CASES = [
     # Empty prompt or messages.
     Case("prompt-empty-string", CMPL, _cmpl(prompt=""), param="prompt"),
     Case("prompt-empty-list", CMPL, _cmpl(prompt=[]), param="prompt"),
-    Case("prompt-batch", CMPL, _cmpl(prompt=["a", "b"]), param="prompt"),
+    Case("prompt-batch-too-long", CMPL, _cmpl(prompt=["a"] * 65), param="prompt"),
+    Case("prompt-batch-empty-item", CMPL, _cmpl(prompt=["a", ""]), param="prompt"),
     Case("prompt-negative-token", CMPL, _cmpl(prompt=[5, -1]), param="prompt"),
     Case("messages-empty", CHAT, _chat(messages=[]), param="messages"),
     Case("job-inner-messages-empty", JOBS, _job(_chat(messages=[]), CHAT), param="messages"),
