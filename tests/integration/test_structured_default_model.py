@@ -70,13 +70,15 @@ def test_forced_tool_calls_match_their_schemas_on_the_default_model(
             messages=[{"role": "user", "content": "What is the weather in Oslo?"}],
             tools=TOOLS,
             tool_choice="required" if i % 2 else named,
+            parallel_tool_calls=i % 4 != 1,
             temperature=1.0,
+            max_tokens=300,
         )
 
     with ThreadPoolExecutor(8) as pool:
         responses = list(pool.map(call, range(8)))
     for response in responses:
-        assert response.choices[0].finish_reason == "tool_calls"
+        assert response.choices[0].finish_reason == "tool_calls", response
         for tool_call in response.choices[0].message.tool_calls or []:
             arguments = json.loads(tool_call.function.arguments)
             jsonschema.validate(arguments, PARAMS[tool_call.function.name])

@@ -40,7 +40,12 @@ TOOLS = [
             "name": "add",
             "parameters": {
                 "type": "object",
-                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                # Bounded: an unbounded integer lets a model at temperature 1 emit digits
+                # until max_tokens (finish_reason "length"), for any grammar engine.
+                "properties": {
+                    "a": {"type": "integer", "minimum": -999, "maximum": 999},
+                    "b": {"type": "integer", "minimum": -999, "maximum": 999},
+                },
                 "required": ["a", "b"],
             },
         },
