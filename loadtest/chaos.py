@@ -35,7 +35,9 @@ import httpx
 
 from loadtest.chaos_load import PROMPTS, Clients, Ledger, poll_job, request_body
 from loadtest.chaos_sweep import check_redis, run_batches, wait_idle
-from loadtest.up import AofRedis, UpProcess, kill_child, spare_port
+from loadtest.up import UpProcess, kill_child
+from shared.broker import spare_port
+from tests.integration.harness import RedisServer
 
 LEASE_S = 3.0  # LLM_WORKER_TTL_S: a worker silent this long loses its jobs' leases
 
@@ -92,7 +94,7 @@ def model_path(config: ChaosConfig, workdir: Path) -> str:
 class Faults:
     """The fault schedule, run as one task beside the load."""
 
-    def __init__(self, up: UpProcess, redis: AofRedis, config: ChaosConfig, ledger: Ledger):
+    def __init__(self, up: UpProcess, redis: RedisServer, config: ChaosConfig, ledger: Ledger):
         self.up, self.redis, self.config, self.ledger = up, redis, config, ledger
         self.rng = random.Random(config.seed)
 
@@ -173,7 +175,7 @@ async def settle(up: UpProcess, ledger: Ledger, http: httpx.AsyncClient) -> None
 
 
 async def run(config: ChaosConfig, workdir: Path) -> Ledger:
-    redis = AofRedis(workdir / "redis")
+    redis = RedisServer(workdir / "redis", aof=True)  # appendfsync everysec
     redis.start()
     env = service_env(config, redis.url, model_path(config, workdir))
     up = UpProcess(env, spare_port(), config.workers, workdir / "up.log")

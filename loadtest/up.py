@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,51 +22,6 @@ from shared.contracts import ChildStatus, SupervisorRecord
 from shared.keys import Keys
 
 ROOT = Path(__file__).resolve().parents[1]
-REDIS_SERVER = "redis-server"
-
-
-def spare_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@dataclass
-class AofRedis:
-    """A private `redis-server` with AOF (`appendfsync everysec`) on a spare port; `stop` is
-    SIGTERM (the AOF is flushed) and `start` comes back on the same port with the same data."""
-
-    dir: Path
-    port: int = field(default_factory=spare_port)
-    proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self, timeout: float = 10.0) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        args = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1"]
-        args += ["--dir", str(self.dir), "--save", "", "--appendonly", "yes"]
-        args += ["--appendfsync", "everysec"]
-        log = open(self.dir / "redis.log", "ab")  # noqa: SIM115 (owned by the process)
-        self.proc = subprocess.Popen(args, stdout=log, stderr=log)
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                if redis.Redis.from_url(self.url, socket_connect_timeout=1).ping():
-                    return
-            except (redis.RedisError, OSError):
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server did not start; see {self.dir}/redis.log")
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(timeout=30)
-        self.proc = None
 
 
 @dataclass
