@@ -21,10 +21,20 @@ from worker.engine.offline import LLM
 pytestmark = cpu_only
 
 
-def test_compiled_forward_equals_eager(tiny_model_dirs: dict, engines: list[LLMEngine]) -> None:
+def test_compiled_forward_equals_eager(
+    tiny_model_dirs: dict, engines: list[LLMEngine], caplog: pytest.LogCaptureFixture
+) -> None:
     model_dir = tiny_model_dirs["qwen3"]  # q/k norms: the most ops between the matmuls
+    previous = torch.get_num_threads()
+    # Prefill on 2 threads, decode on 1: Dynamo guards on the thread count, so both must
+    # have been compiled at start, or decode would run eagerly ("refused", logged).
     compiled = make_engine(
-        model_dir, compile="on", linear_kernel="prepacked", max_num_batched_tokens=32
+        model_dir,
+        compile="on",
+        linear_kernel="prepacked",
+        max_num_batched_tokens=32,
+        num_threads=2,
+        decode_threads=1,
     )
     eager = make_engine(model_dir, linear_kernel="prepacked", max_num_batched_tokens=32)
     engines += [compiled, eager]
@@ -34,6 +44,8 @@ def test_compiled_forward_equals_eager(tiny_model_dirs: dict, engines: list[LLME
         got = token_ids(LLM(engine=compiled).generate(batch, GREEDY))
         assert got == token_ids(LLM(engine=eager).generate(batch, GREEDY))
     assert got == hf_greedy(model_dir, prompts, GREEDY.max_tokens)
+    assert "refused" not in caplog.text
+    torch.set_num_threads(previous)
     logits = [
         _run_steps(e.executor.runner, prompts, tag) for e, tag in ((compiled, "c"), (eager, "e"))
     ]

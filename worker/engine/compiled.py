@@ -105,6 +105,21 @@ def _median_step(forward: Forward, scratch_block: int, block_size: int, repeats:
     )
 
 
+def _warm_up(
+    model: nn.Module, scratch_block: int, block_size: int, thread_counts: list[int] | None
+) -> None:
+    """Compile every graph a step can need: T = 1 (specialised), then T >= 2 (a prefill and
+    a decode batch), at each thread count steps will use (Dynamo guards on it)."""
+    previous = torch.get_num_threads()
+    try:
+        for threads in thread_counts or [previous]:
+            torch.set_num_threads(threads)
+            for num_tokens, is_decode in ((1, True), (2, False), (3, True)):
+                run_with_metadata(model, num_tokens, is_decode, scratch_block, block_size)
+    finally:
+        torch.set_num_threads(previous)
+
+
 @torch.inference_mode()
 def compile_forward(
     model: nn.Module,
@@ -112,6 +127,7 @@ def compile_forward(
     scratch_block: int,
     block_size: int,
     cache_dir: str | None = None,
+    thread_counts: list[int] | None = None,
 ) -> CompiledForward | None:
     """The model with compiled decoder layers, warmed up at T = 1 and T >= 2; None: eager.
 
@@ -131,9 +147,7 @@ def compile_forward(
     try:
         for layer in layers:
             layer.compile(dynamic=True, fullgraph=True)
-        # T = 1 (decode, specialised), then T >= 2: a prefill and a decode batch.
-        for num_tokens, is_decode in ((1, True), (2, False), (3, True)):
-            run_with_metadata(model, num_tokens, is_decode, scratch_block, block_size)
+        _warm_up(model, scratch_block, block_size, thread_counts)
     except Exception as exc:
         logger.error("torch.compile of the decoder layers failed, running eagerly: %r", exc)
         _uncompile(layers)

@@ -60,6 +60,15 @@ class TorchExecutor:
             self.num_threads,
             config.cache_dir,
         )
+        # Decode steps read every weight once for little arithmetic: memory-bound, they often
+        # run as fast on fewer cores (here: 1 thread 30-35 ms vs 2 threads 37-45 ms per
+        # single-request step), leaving the rest to the API and Redis. Per batch bucket the
+        # kernel plan's measured count, else LLM_DECODE_THREADS, else half. Prefill is
+        # compute-bound and gets every thread (64x128: 7 s vs 12 s).
+        self.decode_threads = min(
+            config.decode_threads or max(1, self.num_threads // 2), self.num_threads
+        )
+        self._measured_threads = config.decode_threads is None
         self.runner = ModelRunner(
             loaded,
             self.num_blocks,
@@ -70,16 +79,9 @@ class TorchExecutor:
             cuda_graphs=config.cuda_graphs,
             compile_mode=config.compile,  # type: ignore[arg-type]
             cache_dir=config.cache_dir,
+            # Dynamo guards on the thread count: compile for every count a step may use.
+            compile_threads=sorted({self.num_threads, *self._decode_thread_counts()}),
         )
-        # Decode steps read every weight once for little arithmetic: memory-bound, they often
-        # run as fast on fewer cores (here: 1 thread 30-35 ms vs 2 threads 37-45 ms per
-        # single-request step), leaving the rest to the API and Redis. Per batch bucket the
-        # kernel plan's measured count, else LLM_DECODE_THREADS, else half. Prefill is
-        # compute-bound and gets every thread (64x128: 7 s vs 12 s).
-        self.decode_threads = min(
-            config.decode_threads or max(1, self.num_threads // 2), self.num_threads
-        )
-        self._measured_threads = config.decode_threads is None
         self.compiled = self.runner.compiled is not None
         self.kernels = self.kernel_plan.summary()
         self._switch_threads = loaded.device.type == "cpu"
@@ -102,6 +104,10 @@ class TorchExecutor:
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
         return self.runner.execute(scheduler_output)
+
+    def _decode_thread_counts(self) -> set[int]:
+        measured = set(self.kernel_plan.threads.values()) if self._measured_threads else set()
+        return {min(t, self.num_threads) for t in measured | {self.decode_threads}}
 
     def decode_threads_for(self, num_rows: int) -> int:
         """Threads for a decode-only step of `num_rows` sequences."""

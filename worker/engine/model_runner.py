@@ -50,6 +50,7 @@ class ModelRunner:
         cuda_graphs: bool = True,
         compile_mode: CompileMode = "off",
         cache_dir: str | None = None,
+        compile_threads: list[int] | None = None,
     ) -> None:
         self.loaded = loaded
         self.model = loaded.model
@@ -66,7 +67,7 @@ class ModelRunner:
         # CPU: the forward as an inductor program (None: eager); warmed up here, off the
         # request path.
         self.compiled = compile_forward(
-            self.model, compile_mode, self.scratch_block, block_size, cache_dir
+            self.model, compile_mode, self.scratch_block, block_size, cache_dir, compile_threads
         )
         self.forward = self.compiled or self.model
         self.graphs: DecodeGraphs | None = None
