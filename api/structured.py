@@ -15,7 +15,7 @@ from typing import Any
 from api.errors import APIError
 from api.protocol import ChatCompletionRequest, CompletionRequest, OpenAIRequest
 from shared.contracts import StructuredSpec, ToolCallSpec
-from shared.grammar import GrammarError, GrammarKind, build_grammar
+from shared.grammar import GrammarError, GrammarKind, build_grammar, close_objects
 from shared.tools import (
     named_call_schema,
     render_tool_messages,
@@ -68,6 +68,8 @@ def _requested_format(request: OpenAIRequest) -> StructuredSpec | None:
         return _compile("json_object", None, "response_format", "json_object")
     if fmt is not None and fmt.json_schema is not None and fmt.type == "json_schema":
         schema = fmt.json_schema.schema_
+        if fmt.json_schema.strict:
+            schema = close_objects(schema)
         return _compile("json_schema", schema, "response_format.json_schema.schema", "json_schema")
     outputs = request.structured_outputs
     if outputs is None:

@@ -91,6 +91,21 @@ def _validate(grammar: str) -> str:
     return messages[0] if is_error else ""
 
 
+def close_objects(schema: Any) -> Any:
+    """The schema with `additionalProperties: false` on every object that lists properties
+    and says nothing about others, as OpenAI's strict mode requires. Otherwise JSON Schema
+    allows any extra member, and a small model at temperature 1 may write extra JSON until
+    max_tokens (seen with SmolLM2 on a tool whose parameters omitted it)."""
+    if isinstance(schema, list):
+        return [close_objects(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {key: close_objects(value) for key, value in schema.items()}
+    if "properties" in closed and "additionalProperties" not in closed:
+        closed["additionalProperties"] = False
+    return closed
+
+
 def grammar_key(grammar: str) -> str:
     """The cache key of a grammar (its SHA-256)."""
     return hashlib.sha256(grammar.encode()).hexdigest()

@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
+from shared.grammar import close_objects
+
 FALLBACK_TOOLS_PROMPT = (
     "You can call functions. Their signatures are in <tools></tools>:\n<tools>\n{tools}\n"
     "</tools>\nTo call a function, answer with one <tool_call></tool_call> block per call, "
@@ -106,4 +108,5 @@ def named_call_schema(tools: list[dict[str, Any]], name: str) -> dict[str, Any] 
 
 
 def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
-    return tool["function"].get("parameters") or {"type": "object", "properties": {}}
+    """A forced call's argument schema, closed as OpenAI's strict function calling is."""
+    return close_objects(tool["function"].get("parameters") or {"type": "object", "properties": {}})

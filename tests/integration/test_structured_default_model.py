@@ -78,7 +78,7 @@ def test_forced_tool_calls_match_their_schemas_on_the_default_model(
     with ThreadPoolExecutor(8) as pool:
         responses = list(pool.map(call, range(8)))
     for response in responses:
-        assert response.choices[0].finish_reason == "tool_calls", response
+        assert response.choices[0].finish_reason == "tool_calls", response.choices[0].message
         for tool_call in response.choices[0].message.tool_calls or []:
             arguments = json.loads(tool_call.function.arguments)
             jsonschema.validate(arguments, PARAMS[tool_call.function.name])

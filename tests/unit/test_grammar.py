@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from shared.grammar import GrammarError, build_grammar
+from shared.grammar import GrammarError, build_grammar, close_objects
 
 
 def test_the_api_compiles_schemas_without_importing_torch() -> None:
@@ -42,3 +42,16 @@ def test_json_is_laid_out_like_json_dumps() -> None:
     grammar = build_grammar("json_object", None)
     assert '"whitespace_flexible":false' in grammar.replace(" ", "")
     assert build_grammar("json_schema", {"type": "object"}) == grammar
+
+
+def test_close_objects_forbids_unlisted_members_where_the_schema_is_silent() -> None:
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "object", "properties": {"b": {"type": "integer"}}}},
+        "anyOf": [{"properties": {"c": {}}, "additionalProperties": True}],
+    }
+    closed = close_objects(schema)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["a"]["additionalProperties"] is False
+    assert closed["anyOf"][0]["additionalProperties"] is True
+    assert "additionalProperties" not in schema  # the input is not changed
