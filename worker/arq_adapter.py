@@ -97,6 +97,20 @@ class LadleWorker(Worker):
         self.settings = settings
         self.lane = lane
 
+    async def main(self) -> None:
+        """arq's main, retried while its start-up Redis calls fail.
+
+        arq reads Redis's INFO (`log_redis_info`) before its poll loop, outside
+        `_poll_iteration`: one connect timeout there ended the worker. We set no
+        `on_startup` and the poll loop never raises, so running main again is safe."""
+        await retry(
+            super().main,
+            on=(RedisError, OSError),
+            what="queue start-up",
+            backoff=POLL_BACKOFF,
+            give_up_after_s=FOREVER,
+        )
+
     async def start_jobs(self, job_ids: list[bytes]) -> None:
         """Admission. arq offers every queued id it read and has no hook to decline one, so
         this override checks room per job actually started. arq lists jobs running anywhere

@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
+import arq.worker
 import fakeredis
 import pytest
 from arq.connections import ArqRedis
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 import worker.arq_adapter
 from shared.config import Settings
@@ -115,3 +117,26 @@ def test_each_lane_polls_its_models_own_queue() -> None:
         ]
 
     assert asyncio.run(scenario()) == ["p:queue:m", "p:queue:m:batch"]
+
+
+def test_a_redis_error_at_start_up_is_retried(monkeypatch: pytest.MonkeyPatch) -> None:
+    """arq reads Redis's INFO before its poll loop; one failure there must not end the worker."""
+    monkeypatch.setattr(worker.arq_adapter, "POLL_S", 0.01)
+    calls: list[int] = []
+
+    async def flaky_info(redis: object, log_func: object) -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RedisConnectionError("Timeout connecting to server")
+
+    monkeypatch.setattr(arq.worker, "log_redis_info", flaky_info)
+
+    async def scenario() -> None:
+        server = fakeredis.FakeServer()
+        pool = ArqRedis(connection_pool=fakeredis.FakeAsyncRedis(server=server).connection_pool)
+        worker = LadleWorker(_Service(), Settings(), pool)  # type: ignore[arg-type]
+        worker.burst = True  # main returns once the (empty) queue has been polled
+        await asyncio.wait_for(worker.main(), 30.0)
+
+    asyncio.run(scenario())
+    assert len(calls) == 2
