@@ -3,7 +3,7 @@
     python -m loadtest.structured                       # starts `ladle up` (default model)
     python -m loadtest.structured --base-url http://127.0.0.1:8000/v1
 
-One run, one service, three parts:
+One run, one service, four parts:
 1. validity: `--generations` chat requests at temperature 1.0 cycling over the schemas in
    tests/data/json_schemas.json, half streamed, at `--concurrency`; every answer must parse
    and validate (jsonschema, formats checked);
@@ -11,7 +11,10 @@ One run, one service, three parts:
    own new json_schema (one required string of >= 400 characters, so every request yields
    exactly `--max-tokens` tokens), alternated `--rounds` times and ending unconstrained;
    median output tokens/s of the constrained arms over that of the unconstrained ones;
-3. compile cost: one request at a time, interleaved: unconstrained, a schema never seen
+3. forced tool calls: `--tool-calls` chat requests at temperature 1.0 with the tools in
+   tests/data/tools.json, `tool_choice` alternating "required" and a named function; every
+   call must end with finish_reason "tool_calls" and arguments valid against its schema;
+4. compile cost: one request at a time, interleaved: unconstrained, a schema never seen
    (compiled in API and worker), the same schema again (cached); median TTFT of each; and,
    in this process, the grammar path alone (API check + worker matcher), first and cached,
    which a loaded machine's TTFT noise cannot resolve to the millisecond.
@@ -42,6 +45,10 @@ SCHEMAS = json.loads(
 )
 CHECKER = jsonschema.Draft202012Validator.FORMAT_CHECKER
 MESSAGES = [{"role": "user", "content": "Fill in the requested JSON about a soup recipe."}]
+TOOLS = json.loads(
+    (Path(__file__).resolve().parent.parent / "tests" / "data" / "tools.json").read_text()
+)
+PARAMS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
 
 
 def _format(schema: dict) -> dict:
@@ -106,6 +113,38 @@ async def validity(http: httpx.AsyncClient, model: str, args: argparse.Namespace
         except (ValueError, jsonschema.ValidationError) as exc:
             failures.append({"schema": case["name"], "text": text[:200], "error": str(exc)[:200]})
     return {"valid": {k: f"{ok}/{n}" for k, (ok, n) in counts.items()}, "failures": failures[:5]}
+
+
+async def tool_call(http: httpx.AsyncClient, model: str, i: int) -> str | None:
+    """None when request i's forced tool calls are all valid, else what is wrong."""
+    named = {"type": "function", "function": {"name": TOOLS[i % len(TOOLS)]["function"]["name"]}}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "What is the weather in Oslo, or 2 + 3?"}],
+        "tools": TOOLS,
+        "tool_choice": "required" if i % 2 else named,
+        "parallel_tool_calls": i % 4 != 1,
+        "temperature": 1.0,
+        "max_tokens": 300,
+    }
+    choice = (await http.post("/chat/completions", json=body)).json()["choices"][0]
+    calls = choice["message"].get("tool_calls") or []
+    if choice["finish_reason"] != "tool_calls" or not calls:
+        return f"finish_reason {choice['finish_reason']}, {len(calls)} calls"
+    try:
+        for call in calls:
+            arguments = json.loads(call["function"]["arguments"])
+            jsonschema.validate(arguments, PARAMS[call["function"]["name"]])
+    except (ValueError, KeyError, jsonschema.ValidationError) as exc:
+        return str(exc)[:200]
+    return None
+
+
+async def tool_calls(http: httpx.AsyncClient, model: str, args: argparse.Namespace) -> dict:
+    jobs = [lambda i=i: tool_call(http, model, i) for i in range(args.tool_calls)]
+    problems = [p for p in await bounded(args.concurrency, jobs) if p is not None]
+    num_valid = args.tool_calls - len(problems)
+    return {"valid": f"{num_valid}/{args.tool_calls}", "failures": problems[:5]}
 
 
 def long_schema() -> dict:
@@ -207,10 +246,14 @@ async def run(base_url: str, args: argparse.Namespace) -> dict:
     async with httpx.AsyncClient(base_url=base_url, timeout=600) as http:
         model = (await http.get("/models")).json()["data"][0]["id"]
         report: dict[str, Any] = {"model": model}
-        report["compile"] = await compile_cost(http, model, args)
-        report["throughput"] = await throughput(http, model, args)
+        if args.ttft_samples:
+            report["compile"] = await compile_cost(http, model, args)
+        if args.requests:
+            report["throughput"] = await throughput(http, model, args)
         if args.generations:
             report["validity"] = await validity(http, model, args)
+        if args.tool_calls:
+            report["tool_calls"] = await tool_calls(http, model, args)
     return report
 
 
@@ -234,10 +277,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--base-url", help="a running service's /v1 URL (else start one)")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--generations", type=int, default=200)
-    parser.add_argument("--requests", type=int, default=32, help="per throughput arm")
+    parser.add_argument("--tool-calls", type=int, default=100, help="forced tool calls")
+    parser.add_argument("--requests", type=int, default=32, help="per throughput arm (0: skip)")
     parser.add_argument("--rounds", type=int, default=1, help="constrained arms (A B ... A)")
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--ttft-samples", type=int, default=20)
+    parser.add_argument("--ttft-samples", type=int, default=20, help="0: skip")
     parser.add_argument("--model", default="SmolLM2-135M-Instruct", help="for compile_path")
     parser.add_argument("--json", type=Path, help="also write the report here")
     args = parser.parse_args(argv)

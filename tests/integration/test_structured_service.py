@@ -22,35 +22,9 @@ from tests.integration.harness import Service, start_service
 SCHEMAS = json.loads((Path(__file__).parents[1] / "data" / "json_schemas.json").read_text())
 CHECKER = jsonschema.Draft202012Validator.FORMAT_CHECKER
 USER = [{"role": "user", "content": "Answer."}]
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 20},
-        "unit": {"enum": ["celsius", "fahrenheit"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    },
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
-TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
-    {
-        "type": "function",
-        "function": {
-            "name": "add",
-            "parameters": {
-                "type": "object",
-                # Bounded: an unbounded integer lets a model at temperature 1 emit digits
-                # until max_tokens (finish_reason "length"), for any grammar engine.
-                "properties": {
-                    "a": {"type": "integer", "minimum": -999, "maximum": 999},
-                    "b": {"type": "integer", "minimum": -999, "maximum": 999},
-                },
-                "required": ["a", "b"],
-            },
-        },
-    },
-]
+# Tools shared with loadtest.structured. Their integers are bounded: an unbounded one lets a
+# model at temperature 1 emit digits until max_tokens ("length"), for any grammar engine.
+TOOLS = json.loads((Path(__file__).parents[1] / "data" / "tools.json").read_text())
 PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 
@@ -238,4 +212,4 @@ def test_langchain_structured_output_and_bind_tools(svc: Service, client: openai
     bound = llm.bind_tools([TOOLS[0]], tool_choice="get_weather")
     [call] = bound.invoke("Weather in Oslo?").tool_calls
     assert call["name"] == "get_weather"
-    jsonschema.validate(call["args"], WEATHER)
+    jsonschema.validate(call["args"], PARAMS["get_weather"])
