@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -57,13 +58,23 @@ def test_streamed_and_whole_answers_equal_the_plain_engine(
         chunks = [json.loads(line) for line in lines if line != "[DONE]"]
         assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == expected.text
         spec_service.wait_kv_free(client, timeout=10)
-    port = spec_service.env["LLM_WORKER_METRICS_PORT"]
-    metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    values = {
-        line.split()[0]: float(line.split()[1])
-        for line in metrics.splitlines()
-        if line.startswith(("llm_spec_decode", "llm_tokens_per_decode_step"))
-    }
+    values = _spec_metrics_once_observed(spec_service.env["LLM_WORKER_METRICS_PORT"])
     assert values["llm_spec_decode_accepted_tokens_total"] > 0
     assert 0 < values["llm_spec_decode_acceptance_rate"] <= 1
     assert values["llm_tokens_per_decode_step"] > 1
+
+
+def _spec_metrics_once_observed(port: str, timeout_s: float = 30.0) -> dict[str, float]:
+    """The worker's speculation metrics, once its heartbeat has copied the engine's stats in
+    (they are refreshed each heartbeat, so right after the answers they may still read 0)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        values = {
+            line.split()[0]: float(line.split()[1])
+            for line in metrics.splitlines()
+            if line.startswith(("llm_spec_decode", "llm_tokens_per_decode_step"))
+        }
+        if values["llm_spec_decode_accepted_tokens_total"] > 0 or time.monotonic() > deadline:
+            return values
+        time.sleep(0.1)
