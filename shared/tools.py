@@ -79,6 +79,12 @@ def _call_block(function: dict[str, Any]) -> str:
     return f'<tool_call>\n{{"name": {name}, "arguments": {function["arguments"]}}}\n</tool_call>'
 
 
+# Most calls one forced answer may hold with `parallel_tool_calls`. Unbounded, a small model at
+# temperature 1 kept appending calls until max_tokens: 7 of 100 forced calls on SmolLM2 ended
+# "length" with no call (`python -m loadtest.structured --tool-calls 100`, 2026-11-30).
+MAX_PARALLEL_CALLS = 4
+
+
 def required_calls_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
     """JSON schema of the answer to `tool_choice: "required"`: an array of calls."""
     calls = [
@@ -93,10 +99,8 @@ def required_calls_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[s
         }
         for tool in tools
     ]
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
-    if not parallel:
-        schema["maxItems"] = 1
-    return schema
+    max_items = MAX_PARALLEL_CALLS if parallel else 1
+    return {"type": "array", "minItems": 1, "maxItems": max_items, "items": {"anyOf": calls}}
 
 
 def named_call_schema(tools: list[dict[str, Any]], name: str) -> dict[str, Any] | None:

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from shared.grammar import GrammarError, build_grammar, close_objects
+from shared.tools import MAX_PARALLEL_CALLS, required_calls_schema
 
 
 def test_the_api_compiles_schemas_without_importing_torch() -> None:
@@ -55,3 +56,10 @@ def test_close_objects_forbids_unlisted_members_where_the_schema_is_silent() -> 
     assert closed["properties"]["a"]["additionalProperties"] is False
     assert closed["anyOf"][0]["additionalProperties"] is True
     assert "additionalProperties" not in schema  # the input is not changed
+
+
+def test_forced_calls_are_one_or_at_most_the_parallel_cap() -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    assert required_calls_schema([tool], parallel=False)["maxItems"] == 1
+    parallel = required_calls_schema([tool], parallel=True)
+    assert parallel["minItems"] == 1 and parallel["maxItems"] == MAX_PARALLEL_CALLS
