@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +22,16 @@ import redis
 
 TEST_REDIS_URL = os.environ.get("LLM_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def wait_until(condition: Callable[[], object], timeout_s: float, what: str) -> None:
+    """Poll `condition` until it is true; AssertionError naming `what` after `timeout_s`.
+
+    The deadline is generous on purpose: it bounds a hung test, it does not guess speed."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        time.sleep(0.05)
 
 
 def spare_port() -> int:

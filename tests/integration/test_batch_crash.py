@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.harness import start_service
+from tests.integration.harness import start_service, wait_until
 from tests.integration.test_batches import (
     chat_line,
     completion_line,
@@ -42,10 +42,11 @@ def batch_lines() -> tuple[list[dict], set[str]]:
 
 
 def wait_completed_lines(client: openai.OpenAI, batch_id: str, count: int) -> None:
-    deadline = time.monotonic() + 120
-    while client.batches.retrieve(batch_id).request_counts.completed < count:
-        assert time.monotonic() < deadline, f"fewer than {count} lines completed"
-        time.sleep(0.1)
+    wait_until(
+        lambda: client.batches.retrieve(batch_id).request_counts.completed >= count,
+        120,
+        f"{count} completed lines",
+    )
 
 
 def wait_health(base_url: str, timeout: float = 60.0) -> None:

@@ -6,7 +6,6 @@ and frees its blocks."""
 from __future__ import annotations
 
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import httpx
 import pytest
 
 from tests.integration.faults import Call, body, expected_text, model_id, wait_records
-from tests.integration.harness import Service, start_service
+from tests.integration.harness import Service, start_service, wait_until
 
 MAX_TOKENS = 60
 
@@ -38,10 +37,7 @@ def _status(http: httpx.Client, svc: Service, worker_id: str) -> str | None:
 
 
 def _wait_status(http: httpx.Client, svc: Service, worker_id: str, status: str) -> None:
-    deadline = time.monotonic() + 30
-    while _status(http, svc, worker_id) != status:
-        assert time.monotonic() < deadline, f"{worker_id} never {status}: {svc.live_workers(http)}"
-        time.sleep(0.1)
+    wait_until(lambda: _status(http, svc, worker_id) == status, 30, f"{worker_id} {status}")
 
 
 def test_a_stalled_engine_hands_its_job_to_another_worker(

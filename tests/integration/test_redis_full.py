@@ -9,7 +9,6 @@ is used, stand in for a Redis that filled up; deleting the filler frees it.
 from __future__ import annotations
 
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import pytest
 import redis
 
 from tests.integration.faults import Call, body, expected_text, model_id, poll
-from tests.integration.harness import RedisServer, Service, start_service
+from tests.integration.harness import RedisServer, Service, start_service, wait_until
 
 FILLER_KEYS, FILLER_BYTES = 200, 100_000
 
@@ -50,10 +49,7 @@ def _fill(client: redis.Redis) -> None:
 
 
 def _wait_log(path: Path, text: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while text not in path.read_text(errors="replace"):
-        assert time.monotonic() < deadline, f"{text!r} never logged in {path}"
-        time.sleep(0.05)
+    wait_until(lambda: text in path.read_text(errors="replace"), timeout, f"{text!r} in {path}")
 
 
 def _keys(client: redis.Redis, svc: Service) -> set[bytes]:
