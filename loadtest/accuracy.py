@@ -26,8 +26,6 @@ import math
 import os
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP (shared CPUs)
-
 import torch
 
 from shared.model_files import DEFAULT_MODEL_NAME

@@ -15,8 +15,6 @@ import argparse
 import os
 import time
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP (shared CPUs)
-
 import torch
 from torch import nn
 

@@ -24,8 +24,6 @@ import random
 import time
 from typing import Any
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP (shared CPUs)
-
 import torch
 
 from loadtest.matmul_bound import measure, model_shapes

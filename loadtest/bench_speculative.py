@@ -32,8 +32,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP (shared CPUs)
-
 import torch
 
 from loadtest.bench_engine import random_prompts

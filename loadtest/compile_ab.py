@@ -16,8 +16,6 @@ import os
 import statistics
 import time
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP (shared CPUs)
-
 import torch
 
 from loadtest.profile_step import measure

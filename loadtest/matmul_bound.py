@@ -18,8 +18,6 @@ import os
 import time
 from dataclasses import asdict, dataclass
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP (shared CPUs)
-
 import torch
 import torch.nn.functional as F
 

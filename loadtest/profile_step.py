@@ -1,7 +1,8 @@
 """Per-step overhead of the engine: where one decode step's time goes.
 
     .venv/bin/python -m loadtest.profile_step [--dtype auto] [--threads N] [--batch 1 64]
-        [--context 128] [--steps 40] [--compile auto|on|off] [--linear-kernel auto|NAME]
+        [--decode-threads N] [--context 128] [--steps 40] [--compile auto|on|off]
+        [--linear-kernel auto|NAME]
         [--quantization none|int8|int4] [--ops] [--cprofile] [--json OUT]
 
 For each batch size B: B requests of `context` random token ids are prefilled, then the
@@ -30,11 +31,10 @@ import statistics
 import time
 from typing import Any
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP (shared CPUs)
-
 import torch
 
 from loadtest.bandwidth_bound import stream_bandwidth, weight_bytes_per_token
+from shared.config import Settings
 from shared.model_files import DEFAULT_MODEL_NAME
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
@@ -164,6 +164,9 @@ def main() -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL_NAME)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument(
+        "--decode-threads", type=int, help="default: LLM_DECODE_THREADS, else measured"
+    )
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--steps", type=int, default=40)
@@ -182,6 +185,7 @@ def main() -> None:
         device="cpu",
         kv_cache_size_mb=1024,
         num_threads=args.threads,
+        decode_threads=args.decode_threads or Settings().decode_threads,
         max_num_seqs=max(64, *args.batch),
         max_num_batched_tokens=max(1024, args.context),
         compile=args.compile,

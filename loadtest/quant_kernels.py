@@ -16,8 +16,6 @@ import os
 import time
 from collections.abc import Callable
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP (shared CPUs)
-
 import torch
 import torch.nn.functional as F
 

@@ -25,8 +25,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP (shared CPUs)
-
 import torch
 
 from loadtest.bandwidth_bound import stream_bandwidth, weight_bytes_per_token

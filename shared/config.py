@@ -176,16 +176,33 @@ class Settings(BaseSettings):
         return name.removesuffix(".gguf")
 
 
-def apply_openmp_defaults() -> None:
-    """Idle OpenMP threads sleep instead of spinning (`OMP_WAIT_POLICY=PASSIVE`, unless set).
+OPENMP_SPIN_DEFAULTS = {"GOMP_SPINCOUNT": "30000", "KMP_BLOCKTIME": "1"}
 
-    On CPUs shared with other processes a spinning thread steals the core its busy sibling
-    needs: a bf16 decode step of 64 sequences took 1.37 s with the default policy and 0.36 s
-    with PASSIVE on 2 loaded cores (docs/benchmarks.md). OpenMP reads it once, when torch
+
+def apply_openmp_defaults() -> None:
+    """Idle OpenMP threads spin briefly, then sleep: about a millisecond, unless set.
+
+    A decode step is ~120 matmuls on all threads with small single-threaded ops between them
+    (20-300 us). A thread that sleeps at once (`OMP_WAIT_POLICY=PASSIVE`, the previous
+    default) has to be woken by a futex for every matmul: one sequence's bf16 step of
+    SmolLM2-135M on 2 threads took 50 ms that way against 24-26 ms with a bounded spin (idle
+    AMD EPYC, docs/benchmarks.md "OpenMP wait policy"). libgomp's own default spins ~8 ms per
+    gap, which steals the core the API and Redis need; 30,000 spins is ~1.5 ms there, enough
+    to bridge the gaps inside a step. `KMP_BLOCKTIME` (ms) is the same knob for Intel's
+    OpenMP, which some installs preload. Neither is set where the operator chose a policy
+    (`OMP_WAIT_POLICY`, `GOMP_SPINCOUNT`, `KMP_BLOCKTIME`). OpenMP reads them once, when torch
     loads, so each entry point that runs the engine calls this first, before importing torch
-    (`python -m worker`, `python -m worker.engine.cli`); the worker image sets it too.
+    (`python -m worker`, `python -m worker.engine.cli`, the load tests).
     """
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if "OMP_WAIT_POLICY" in os.environ:
+        return
+    for name, value in OPENMP_SPIN_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+
+
+def openmp_settings() -> dict[str, str | None]:
+    """The OpenMP wait settings in effect (they change which thread count measures fastest)."""
+    return {name: os.environ.get(name) for name in ("OMP_WAIT_POLICY", *OPENMP_SPIN_DEFAULTS)}
 
 
 def apply_inductor_cache_dir(cache_dir: str) -> None:

@@ -6,7 +6,12 @@ import ast
 import dataclasses
 from pathlib import Path
 
-from shared.config import Settings
+from shared.config import (
+    OPENMP_SPIN_DEFAULTS,
+    Settings,
+    apply_openmp_defaults,
+    openmp_settings,
+)
 from worker.engine.config import SETTING_NAMES, EngineConfig
 from worker.engine.scheduler import SchedulerConfig
 
@@ -72,3 +77,25 @@ def test_no_environment_reads_or_writes_outside_settings() -> None:
         for use in _environment_users(path)
     ]
     assert found == []
+
+
+def test_openmp_defaults_bound_the_spin_unless_the_operator_chose_a_policy(monkeypatch) -> None:
+    for name in ("OMP_WAIT_POLICY", *OPENMP_SPIN_DEFAULTS):
+        monkeypatch.delenv(name, raising=False)
+    apply_openmp_defaults()
+    assert {k: openmp_settings()[k] for k in OPENMP_SPIN_DEFAULTS} == OPENMP_SPIN_DEFAULTS
+    assert openmp_settings()["OMP_WAIT_POLICY"] is None
+
+    monkeypatch.setenv("GOMP_SPINCOUNT", "5")  # an operator's own value stays
+    apply_openmp_defaults()
+    assert openmp_settings()["GOMP_SPINCOUNT"] == "5"
+
+    for name in OPENMP_SPIN_DEFAULTS:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # a chosen policy: nothing added
+    apply_openmp_defaults()
+    assert openmp_settings() == {
+        "OMP_WAIT_POLICY": "PASSIVE",
+        "GOMP_SPINCOUNT": None,
+        "KMP_BLOCKTIME": None,
+    }

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from shared.config import openmp_settings
 from shared.model_files import cache_root
 from worker.layers.linear import Linear
 from worker.layers.linear_kernels import BucketedKernel, LinearKernel, build_kernel, kernel_names
@@ -179,11 +180,12 @@ def _cpu_model() -> str:
 
 
 def plan_cache_path(model: nn.Module, buckets: list[int], max_threads: int, cache_dir: str | None):
-    """The cache file for this CPU, torch, thread count, model shapes and candidates."""
+    """The cache file for this CPU, torch, threads, OpenMP wait, shapes and candidates."""
     key = {
         "cpu": _cpu_model(),
         "torch": torch.__version__,
         "threads": max_threads,
+        "openmp": openmp_settings(),
         "dtype": str(next(model.parameters()).dtype),
         "groups": sorted(linear_groups(model)),
         "buckets": buckets,
