@@ -27,7 +27,7 @@ import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -168,14 +168,14 @@ def default_hf_dir() -> Path:
 class EngineDriver:
     """The engine on its EngineThread, bridged to asyncio the way the worker does it."""
 
-    def __init__(self, engine: Any, workload: Workload) -> None:
+    def __init__(self, built: BuiltEngine, workload: Workload) -> None:
         from worker.engine_thread import EngineThread
 
-        self.engine = engine
+        engine = self.engine = built.engine
         self.workload = workload
         self.loop = asyncio.get_running_loop()
         self._queues: dict[str, asyncio.Queue[Any]] = {}
-        self.thread = EngineThread(engine, self._on_outputs, self._on_reject)
+        self.thread = EngineThread(engine, self._on_outputs, self._on_reject, host=built.host)
         self.thread.start()
 
     def close(self) -> None:
@@ -230,14 +230,24 @@ class EngineDriver:
             queue.put_nowait(item)
 
 
-def build_engine(model: str | None = None) -> Any:
-    """The engine exactly as a worker builds it from the LLM_* settings."""
+@dataclass
+class BuiltEngine:
+    """An engine and the thread it was built on, which must also step it (`EngineHost`)."""
+
+    engine: Any
+    host: Any
+
+
+def build_engine(model: str | None = None) -> BuiltEngine:
+    """The engine exactly as a worker builds it from the LLM_* settings, on its own thread."""
     from shared.config import Settings
     from worker.engine.config import EngineConfig
     from worker.engine.engine import LLMEngine
+    from worker.engine_thread import EngineHost
 
     settings = Settings(**({"model_name": model} if model else {}))
-    return LLMEngine(EngineConfig.from_settings(settings))
+    host = EngineHost()
+    return BuiltEngine(host.submit(LLMEngine, EngineConfig.from_settings(settings)).result(), host)
 
 
 # ---- running a target ----------------------------------------------------------------------
@@ -263,9 +273,9 @@ async def bench_http(
 
 
 async def bench_engine(
-    engine: Any, workload: Workload, levels: list[int], max_seconds: float
+    built: BuiltEngine, workload: Workload, levels: list[int], max_seconds: float
 ) -> list[LevelResult]:
-    driver = EngineDriver(engine, workload)
+    driver = EngineDriver(built, workload)
     try:
         await driver.prepare()
         return await run_levels(driver.send, workload, levels, max_seconds)
@@ -448,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
         results = run_compare(args, workload, levels)
     elif args.engine:
         engine = build_engine(args.model)
-        workload.vocab_size = min(workload.vocab_size, engine.executor.vocab_size)
+        workload.vocab_size = min(workload.vocab_size, engine.engine.executor.vocab_size)
         results = {"engine": asyncio.run(bench_engine(engine, workload, levels, args.max_seconds))}
         print("\n" + format_table("engine in-process", results["engine"]))
     else:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from worker.engine.engine import LLMEngine, PreparedRequest, SequenceOutput
 
@@ -15,6 +18,46 @@ logger = logging.getLogger(__name__)
 
 OutputsCallback = Callable[[list[SequenceOutput]], None]
 RejectCallback = Callable[[str, Exception], None]
+T = TypeVar("T")
+
+
+class EngineHost:
+    """One daemon thread that runs, in order, every call handed to it: build the engine here
+    (`submit(LLMEngine, config)`), then step it here (`EngineThread(..., host=host)`).
+
+    OpenMP keeps a team of worker threads per thread that starts parallel work. An engine
+    built (weights, kernel timing, compile) on one thread and stepped on another leaves two
+    teams, and libgomp, counting more threads than cores, cuts its spin-wait to almost
+    nothing: every matmul then wakes its helper thread through the kernel. One sequence's
+    decode step took 39-42 ms that way against 26-28 ms with both on one thread (2 cores,
+    docs/benchmarks.md "One OpenMP team").
+    """
+
+    def __init__(self, name: str = "engine") -> None:
+        self._calls: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple] | None] = (
+            queue.SimpleQueue()
+        )
+        self.thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self.thread.start()
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        future: Future[T] = Future()
+        self._calls.put((future, fn, args))
+        return future
+
+    def close(self) -> None:
+        """Stop after the calls already submitted (a daemon: never blocks the process exit)."""
+        self._calls.put(None)
+
+    def _serve(self) -> None:
+        while (call := self._calls.get()) is not None:
+            future, fn, args = call
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # handed to whoever waits on the future
+                future.set_exception(exc)
 
 
 class EngineStepError(RuntimeError):
@@ -35,28 +78,40 @@ class EngineThread:
     """Owns the engine: applies adds and aborts between steps, steps while there is work.
 
     `on_outputs` is called on the engine thread after every step with that step's outputs;
-    it must only hand them over (e.g. `loop.call_soon_threadsafe`), never block.
+    it must only hand them over (e.g. `loop.call_soon_threadsafe`), never block. `host` is
+    the thread the engine was built on (see `EngineHost`); without one it gets its own.
     """
 
     def __init__(
-        self, engine: LLMEngine, on_outputs: OutputsCallback, on_reject: RejectCallback
+        self,
+        engine: LLMEngine,
+        on_outputs: OutputsCallback,
+        on_reject: RejectCallback,
+        host: EngineHost | None = None,
     ) -> None:
         self.engine = engine
         self._on_outputs = on_outputs
         self._on_reject = on_reject
         self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._host = host
+        self._done: Future[None] | None = None
         self._stopping = threading.Event()
         self.num_steps = 0
         self.step_started_at: float | None = None  # monotonic; None between steps
 
     def start(self) -> None:
-        self._thread.start()
+        if self._host is None:
+            self._host = EngineHost()
+        self._done = self._host.submit(self._run)
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stopping.set()
         self._commands.put(None)
-        self._thread.join(timeout)
+        if self._host is not None:
+            self._host.close()
+        if self._done is not None:
+            with contextlib.suppress(TimeoutError):  # a hung step: the thread is a daemon
+                self._done.result(timeout)
 
     def stalled_for(self) -> float:
         """Seconds the current step has been running (0 between steps): a step that never

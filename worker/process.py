@@ -25,6 +25,7 @@ from shared.tokenizer import load_tokenizer
 from worker.arq_adapter import LadleWorker
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
+from worker.engine_thread import EngineHost
 from worker.heartbeat import Heartbeat, default_worker_id
 from worker.metrics import WorkerMetricsRecorder
 from worker.service import WorkerService
@@ -44,13 +45,16 @@ class WorkerProcess:
         s = self.settings
         tracing.configure(s.otel_endpoint, "ladle-worker", self.worker_id)
         started = time.perf_counter()
-        engine = await asyncio.to_thread(LLMEngine, EngineConfig.from_settings(s))
+        host = EngineHost()  # built and stepped on one thread: one OpenMP team
+        engine = await asyncio.wrap_future(host.submit(LLMEngine, EngineConfig.from_settings(s)))
         tokenizer = await asyncio.to_thread(load_tokenizer, s.model_name, s.cache_dir)
         logger.info("engine ready in %.1f s", time.perf_counter() - started)
         pool = await _connect(s)
         metrics = WorkerMetrics()
         recorder = WorkerMetricsRecorder(metrics)
-        service = WorkerService(s, engine, tokenizer, pool, self.worker_id, recorder)
+        service = WorkerService(
+            s, engine, tokenizer, pool, self.worker_id, recorder, engine_host=host
+        )
         service.start()
         heartbeat = Heartbeat(
             pool,

@@ -29,7 +29,7 @@ from shared.keys import Keys
 from shared.tokenizer import Tokenizer
 from worker.engine.engine import LLMEngine, PreparedRequest
 from worker.engine.sampling_params import SamplingParams
-from worker.engine_thread import EngineStepError, EngineThread
+from worker.engine_thread import EngineHost, EngineStepError, EngineThread
 from worker.job_state import JobState
 from worker.listener import Listener
 from worker.metrics import WorkerMetricsRecorder
@@ -54,6 +54,7 @@ class WorkerService:
         redis: Redis,
         worker_id: str,
         metrics: WorkerMetricsRecorder | None = None,
+        engine_host: EngineHost | None = None,
     ) -> None:
         self.settings = settings
         self.engine = engine
@@ -68,7 +69,9 @@ class WorkerService:
         self.publisher = Publisher(
             redis, self.store, self.jobs, tokenizer, self._on_job_written, metrics
         )
-        self.engine_thread = EngineThread(engine, self.publisher.on_outputs, self._on_reject)
+        self.engine_thread = EngineThread(
+            engine, self.publisher.on_outputs, self._on_reject, host=engine_host
+        )
         self._tasks: list[asyncio.Task[None]] = []
         self.metrics = metrics
         # Set when the API has enqueued a job: the poll loop looks at the queue at once.

@@ -12,7 +12,7 @@ import httpx
 import pytest
 import torch
 
-from loadtest.bench_serve import EngineDriver, OpenAIStreamClient, bench_engine
+from loadtest.bench_serve import BuiltEngine, EngineDriver, OpenAIStreamClient, bench_engine
 from loadtest.workload import (
     Dist,
     RequestRecord,
@@ -167,7 +167,7 @@ def test_engine_driver_on_tiny_model(tmp_path: Path) -> None:
     add_tiny_tokenizer(model_dir)
     engine = make_engine(model_dir)
     workload = Workload(num_prompts=5, input_len=8, output_len=5, vocab_size=256)
-    results = asyncio.run(bench_engine(engine, workload, [1, 3], max_seconds=60))
+    results = asyncio.run(bench_engine(BuiltEngine(engine, None), workload, [1, 3], max_seconds=60))
     assert [(r.concurrency, r.num_ok, r.num_failed) for r in results] == [(1, 5, 0), (3, 5, 0)]
     assert [r.output_tokens for r in results] == [25, 25]
     assert all(r.itl_ms.median > 0 and r.output_tokens_per_s > 0 for r in results)
@@ -182,7 +182,7 @@ def test_engine_driver_reports_rejected_prompt(tmp_path: Path) -> None:
     workload = Workload(output_len=5, vocab_size=256)
 
     async def go() -> RequestRecord:
-        driver = EngineDriver(engine, workload)
+        driver = EngineDriver(BuiltEngine(engine, None), workload)
         try:
             return await driver.send([300, 4])  # out of the vocabulary
         finally:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from worker.engine_thread import EngineStepError, EngineThread
+from worker.engine_thread import EngineHost, EngineStepError, EngineThread
 
 
 class FlakyEngine:
@@ -67,3 +67,41 @@ def test_a_failing_step_fails_its_requests_and_the_loop_goes_on() -> None:
         assert finished == ["c"]
     finally:
         thread.stop()
+
+
+def test_the_engine_is_built_and_stepped_on_the_same_thread() -> None:
+    """One OS thread for construction and steps: OpenMP then keeps one team (EngineHost)."""
+    host = EngineHost()
+    built_on = host.submit(threading.get_ident).result(timeout=5)
+    engine = FlakyEngine()
+    engine.num_steps = 1  # no failing first step here
+    stepped_on: list[int] = []
+    step = engine.step
+    engine.step = lambda: (stepped_on.append(threading.get_ident()), step())[1]  # type: ignore[method-assign]
+    done = threading.Event()
+    thread = EngineThread(engine, lambda outputs: done.set(), lambda rid, exc: None, host=host)
+    thread.start()
+    try:
+        thread.add(Prepared("a"))
+        assert done.wait(5)
+        assert stepped_on and set(stepped_on) == {built_on}
+        assert built_on != threading.get_ident()
+    finally:
+        thread.stop()
+    host.thread.join(5)  # stop() closed the host: its thread ends
+    assert not host.thread.is_alive()
+
+
+def test_an_exception_in_a_hosted_call_reaches_the_caller() -> None:
+    host = EngineHost()
+    try:
+        future = host.submit(int, "not a number")
+        try:
+            future.result(timeout=5)
+        except ValueError as exc:
+            assert "not a number" in str(exc)
+        else:
+            raise AssertionError("the ValueError was swallowed")
+        assert host.submit(int, "7").result(timeout=5) == 7  # the thread carries on
+    finally:
+        host.close()
