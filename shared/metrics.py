@@ -104,6 +104,15 @@ SPEC_ACCEPTED_TOKENS = MetricSpec(
 SPEC_ACCEPTANCE_RATE = MetricSpec(
     "llm_spec_decode_acceptance_rate", "accepted / proposed draft tokens since start", Gauge
 )
+STEP_THREADS = MetricSpec(
+    "llm_step_threads",
+    "CPU threads each kind of engine step runs on now (chosen from measured step times)",
+    Gauge,
+    ("kind",),
+)
+STEP_THREAD_SWITCHES = MetricSpec(
+    "llm_step_thread_switches", "times a kind of step moved to another thread count", Counter
+)
 TOKENS_PER_DECODE_STEP = MetricSpec(
     "llm_tokens_per_decode_step",
     "tokens a decoding sequence gains per engine step since start (1 without speculation)",
@@ -170,6 +179,8 @@ class WorkerMetrics:
         self.spec_accepted_tokens = SPEC_ACCEPTED_TOKENS.create(r)
         self.spec_acceptance_rate = SPEC_ACCEPTANCE_RATE.create(r)
         self.tokens_per_decode_step = TOKENS_PER_DECODE_STEP.create(r)
+        self.step_threads = STEP_THREADS.create(r)
+        self.step_thread_switches = STEP_THREAD_SWITCHES.create(r)
 
 
 class SupervisorMetrics:

@@ -55,6 +55,11 @@ class WorkerMetricsRecorder:
             max(stats.num_prefix_hit_tokens - self._last.num_prefix_hit_tokens, 0)
         )
         self._observe_speculation(stats)
+        for kind, threads in stats.step_threads.items():
+            m.step_threads.labels(kind=kind).set(threads)
+        m.step_thread_switches.inc(
+            max(stats.num_thread_switches - self._last.num_thread_switches, 0)
+        )
         self._last = stats
 
     def _observe_speculation(self, stats: EngineStats) -> None:

@@ -38,3 +38,23 @@ def test_decode_threads_default_to_half(tiny_model_dirs: dict, engines: list[LLM
         assert engine.executor.decode_threads == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_measured_threads_are_chosen_per_kind_of_step_and_reported(
+    tiny_model_dirs: dict, engines: list[LLMEngine]
+) -> None:
+    before = torch.get_num_threads()
+    try:
+        engine = make_engine(tiny_model_dirs["llama"], num_threads=2)  # decode threads: measured
+        engines.append(engine)
+        assert engine.executor.threads.options == [1, 2]
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        engine.add_request(engine.prepare("a", [5, 6, 7, 8], params))
+        while engine.has_unfinished_requests():
+            engine.step()
+        choices = engine.stats().step_threads
+        assert set(choices) == {"prefill", f"decode<={engine.executor.kernel_plan.bucket_for(1)}"}
+        assert all(threads in (1, 2) for threads in choices.values())
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    finally:
+        torch.set_num_threads(before)

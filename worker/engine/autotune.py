@@ -53,6 +53,13 @@ class KernelPlan:
                 return self.threads[bucket]
         return self.threads[max(self.threads, key=int)] if self.threads else None
 
+    def bucket_for(self, rows: int) -> int:
+        """The smallest decode bucket holding `rows` (the largest when none does)."""
+        buckets = sorted(int(b) for b in self.threads) or sorted(
+            {int(b) for choice in self.kernels.values() for b in choice}
+        )
+        return next((b for b in buckets if rows <= b), buckets[-1] if buckets else rows)
+
     def summary(self) -> dict[str, str]:
         """bucket -> "qkv_proj=prepacked ... threads=1": what a worker record shows."""
         buckets = sorted({b for choice in self.kernels.values() for b in choice}, key=int)

@@ -83,6 +83,9 @@ class EngineStats:
     num_spec_accepted_tokens: int = 0
     num_decode_steps: int = 0
     num_decode_tokens: int = 0
+    # CPU threads per kind of step as chosen now, and how often a choice changed (threads.py)
+    step_threads: dict[str, int] = field(default_factory=dict)
+    num_thread_switches: int = 0
 
     @property
     def spec_acceptance_rate(self) -> float:
@@ -260,6 +263,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         bm = self.block_manager
         spec = self.scheduler.spec_stats
+        threads = getattr(self.executor, "threads", None)  # CPU executors only
         return EngineStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
@@ -276,6 +280,8 @@ class LLMEngine:
             num_spec_accepted_tokens=spec.num_accepted_tokens,
             num_decode_steps=spec.num_decode_steps,
             num_decode_tokens=spec.num_decode_tokens,
+            step_threads=threads.choices() if threads else {},
+            num_thread_switches=threads.num_switches if threads else 0,
         )
 
     # ---- internals ---------------------------------------------------------------------

@@ -18,6 +18,7 @@ from worker.engine.kv_cache import kv_bytes_per_block
 from worker.engine.model_runner import ModelRunner
 from worker.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from worker.engine.sampler import Sampler
+from worker.engine.threads import ThreadChooser
 from worker.models.loader import LoadedModel, load_model
 
 logger = logging.getLogger(__name__)
@@ -60,15 +61,20 @@ class TorchExecutor:
             self.num_threads,
             config.cache_dir,
         )
-        # Decode steps read every weight once for little arithmetic: memory-bound, they often
-        # run as fast on fewer cores (here: 1 thread 30-35 ms vs 2 threads 37-45 ms per
-        # single-request step), leaving the rest to the API and Redis. Per batch bucket the
-        # kernel plan's measured count, else LLM_DECODE_THREADS, else half. Prefill is
-        # compute-bound and gets every thread (64x128: 7 s vs 12 s).
+        # Decode steps read every weight once for little arithmetic: memory-bound, they may
+        # run as fast on fewer cores, leaving the rest to the API and Redis; and which count
+        # is faster changes with the machine's load. Unless LLM_DECODE_THREADS fixes the
+        # decode count, every kind of step (decode by batch bucket, prefill) picks 1 or all
+        # threads from its own recent step times (`worker/engine/threads.py`), starting from
+        # the kernel plan's measured choice.
         self.decode_threads = min(
             config.decode_threads or max(1, self.num_threads // 2), self.num_threads
         )
         self._measured_threads = config.decode_threads is None
+        self.threads = ThreadChooser(
+            sorted({1, self.num_threads}) if self._measured_threads else [self.decode_threads],
+            self._initial_threads,
+        )
         self.runner = ModelRunner(
             loaded,
             self.num_blocks,
@@ -96,21 +102,36 @@ class TorchExecutor:
         )
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        if self._switch_threads:
-            chunks = scheduler_output.chunks
-            is_decode_only = all(c.is_decode for c in chunks)
+        if not self._switch_threads:
+            return self.runner.execute(scheduler_output)
+        chunks = scheduler_output.chunks
+        if all(c.is_decode for c in chunks):
             rows = sum(c.num_tokens for c in chunks)  # drafts are rows too
-            threads = self.decode_threads_for(rows) if is_decode_only else self.num_threads
-            if torch.get_num_threads() != threads:
-                torch.set_num_threads(threads)
-        return self.runner.execute(scheduler_output)
+            kind = f"decode<={self.kernel_plan.bucket_for(rows)}"
+            threads = self.threads.pick(kind) if self._measured_threads else self.decode_threads
+        else:
+            kind = "prefill"
+            threads = self.threads.pick(kind) if self._measured_threads else self.num_threads
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        started = time.perf_counter()
+        output = self.runner.execute(scheduler_output)
+        self.threads.record(kind, threads, time.perf_counter() - started)
+        return output
+
+    def _initial_threads(self, kind: str) -> int:
+        """A kind's first choice: the kernel plan's measured count for decode, all for prefill."""
+        if kind == "prefill":
+            return self.num_threads
+        return self.decode_threads_for(int(kind.removeprefix("decode<=")))
 
     def _decode_thread_counts(self) -> set[int]:
-        measured = set(self.kernel_plan.threads.values()) if self._measured_threads else set()
-        return {min(t, self.num_threads) for t in measured | {self.decode_threads}}
+        if self._measured_threads:  # the chooser may run a decode step on any of its options
+            return set(self.threads.options)
+        return {self.decode_threads}
 
     def decode_threads_for(self, num_rows: int) -> int:
-        """Threads for a decode-only step of `num_rows` sequences."""
+        """Threads a decode-only step of `num_rows` sequences starts on."""
         measured = self.kernel_plan.threads_for(num_rows) if self._measured_threads else None
         return min(measured or self.decode_threads, self.num_threads)
 

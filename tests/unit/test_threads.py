@@ -1,0 +1,65 @@
+"""The thread count per kind of step follows the steps' measured times (ThreadChooser)."""
+
+from __future__ import annotations
+
+from worker.engine.threads import ThreadChooser
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def run(chooser: ThreadChooser, clock: Clock, kind: str, cost: dict[int, float], steps: int):
+    """`steps` steps of `kind`, each taking cost[threads] seconds; the counts used, in order."""
+    used = []
+    for _ in range(steps):
+        threads = chooser.pick(kind)
+        used.append(threads)
+        clock.now += cost[threads]
+        chooser.record(kind, threads, cost[threads])
+    return used
+
+
+def test_starts_on_the_plan_and_keeps_it_while_it_is_faster() -> None:
+    clock = Clock()
+    chooser = ThreadChooser([1, 2], lambda kind: 2, clock=clock)
+    used = run(chooser, clock, "decode<=1", {1: 0.033, 2: 0.026}, 1000)
+    assert used[0] == 2
+    probes = used.count(1)
+    assert 1 <= probes <= 6  # 26 s of steps: probes after 2, 4, 8, 16 s apart, never kept
+    assert chooser.choices() == {"decode<=1": 2} and chooser.num_switches == 0
+
+
+def test_switches_when_the_machine_changes_and_back_when_it_recovers() -> None:
+    clock = Clock()
+    chooser = ThreadChooser([1, 2], lambda kind: 2, clock=clock, max_probe_s=10.0)
+    run(chooser, clock, "decode<=1", {1: 0.033, 2: 0.026}, 200)
+    # another process takes a core: 2 threads now wait on each other at every barrier
+    used = run(chooser, clock, "decode<=1", {1: 0.033, 2: 0.350}, 300)
+    assert chooser.choices() == {"decode<=1": 1}
+    assert used.count(2) <= 12  # the slow count is only probed, ever more rarely
+    assert used[-100:].count(2) <= 2
+    run(chooser, clock, "decode<=1", {1: 0.033, 2: 0.026}, 1000)  # the core is free again
+    assert chooser.choices() == {"decode<=1": 2}
+    assert chooser.num_switches == 2
+
+
+def test_each_kind_of_step_chooses_on_its_own() -> None:
+    clock = Clock()
+    chooser = ThreadChooser([1, 4], lambda kind: 4 if kind == "prefill" else 1, clock=clock)
+    for _ in range(400):
+        for kind, cost in (("prefill", {1: 0.4, 4: 0.12}), ("decode<=16", {1: 0.05, 4: 0.03})):
+            threads = chooser.pick(kind)
+            clock.now += cost[threads]
+            chooser.record(kind, threads, cost[threads])
+    assert chooser.choices() == {"decode<=16": 4, "prefill": 4}
+
+
+def test_a_single_option_never_probes() -> None:
+    clock = Clock()
+    chooser = ThreadChooser([1], lambda kind: 2, clock=clock)  # the plan's 2 is not allowed
+    assert set(run(chooser, clock, "decode<=1", {1: 0.03}, 500)) == {1}
