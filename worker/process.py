@@ -14,7 +14,7 @@ from prometheus_client import start_http_server
 from redis.exceptions import RedisError
 
 from shared import tracing
-from shared.config import Settings
+from shared.config import Settings, active_allocator
 from shared.contracts import WorkerRecord
 from shared.keys import Keys
 from shared.metrics import WorkerMetrics
@@ -48,7 +48,11 @@ class WorkerProcess:
         host = EngineHost()  # built and stepped on one thread: one OpenMP team
         engine = await asyncio.wrap_future(host.submit(LLMEngine, EngineConfig.from_settings(s)))
         tokenizer = await asyncio.to_thread(load_tokenizer, s.model_name, s.cache_dir)
-        logger.info("engine ready in %.1f s", time.perf_counter() - started)
+        logger.info(
+            "engine ready in %.1f s (allocator: %s)",
+            time.perf_counter() - started,
+            active_allocator(),
+        )
         pool = await _connect(s)
         metrics = WorkerMetrics()
         recorder = WorkerMetricsRecorder(metrics)

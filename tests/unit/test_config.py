@@ -9,8 +9,11 @@ from pathlib import Path
 from shared.config import (
     OPENMP_SPIN_DEFAULTS,
     Settings,
+    active_allocator,
+    allocator_library,
     apply_openmp_defaults,
     openmp_settings,
+    preload_allocator,
 )
 from worker.engine.config import SETTING_NAMES, EngineConfig
 from worker.engine.scheduler import SchedulerConfig
@@ -99,3 +102,34 @@ def test_openmp_defaults_bound_the_spin_unless_the_operator_chose_a_policy(monke
         "GOMP_SPINCOUNT": None,
         "KMP_BLOCKTIME": None,
     }
+
+
+def test_the_allocator_setting(monkeypatch) -> None:
+    import ctypes.util
+
+    found = {"jemalloc": None, "tcmalloc_minimal": "libtcmalloc_minimal.so.4", "tcmalloc": None}
+    monkeypatch.setattr(ctypes.util, "find_library", found.get)
+    assert allocator_library("auto") == "libtcmalloc_minimal.so.4"  # the first one installed
+    assert allocator_library("system") is None
+    assert allocator_library("/opt/lib/libmimalloc.so") == "/opt/lib/libmimalloc.so"
+    monkeypatch.setattr(ctypes.util, "find_library", lambda name: None)
+    assert allocator_library("auto") is None  # none installed: glibc's malloc
+
+
+def test_preload_allocator_reexecs_once_with_the_library(monkeypatch) -> None:
+    import os
+
+    calls = []
+    monkeypatch.setattr(os, "execve", lambda path, argv, env: calls.append(env["LD_PRELOAD"]))
+    monkeypatch.setenv("LLM_MALLOC", "/opt/lib/libjemalloc.so.2")
+    monkeypatch.setenv("LD_PRELOAD", "/opt/lib/other.so")
+    preload_allocator()
+    assert calls == ["/opt/lib/libjemalloc.so.2:/opt/lib/other.so"]
+    monkeypatch.setenv("LD_PRELOAD", calls[0])  # what the re-exec'd process sees
+    preload_allocator()
+    assert len(calls) == 1  # already preloaded: no second exec
+    assert active_allocator() == "/opt/lib/libjemalloc.so.2 (preloaded)"
+    monkeypatch.setenv("LLM_MALLOC", "system")
+    monkeypatch.delenv("LD_PRELOAD")
+    preload_allocator()
+    assert len(calls) == 1 and active_allocator() == "glibc malloc"
