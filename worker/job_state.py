@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -32,6 +33,23 @@ class ChoiceState:
     finish_reason: str | None = None
 
 
+def new_engine_request_id(job_id: str) -> str:
+    """The engine's id for one attempt of a job: the job id and a fresh suffix.
+
+    Outputs reach the event loop after the step that made them; an attempt aborted on this
+    worker may still have some in flight when the next attempt of the same job starts here.
+    With one id per attempt they are recognised as stale and dropped (`job_for`), never
+    folded into the new attempt's text.
+    """
+    return f"{job_id}~{secrets.token_hex(4)}"
+
+
+def job_for(jobs: dict[str, JobState], engine_request_id: str) -> JobState | None:
+    """The running attempt an engine output or rejection belongs to (None: a stale one)."""
+    job = jobs.get(engine_request_id.rsplit("~", 1)[0])
+    return job if job is not None and job.engine_request_id == engine_request_id else None
+
+
 @dataclass
 class JobState:
     """A job between `started` and its final event. `outcome` resolves when it ends."""
@@ -46,6 +64,7 @@ class JobState:
     last_token_at: float | None = None
     error: ErrorEvent | None = None
     record_json: str | None = None  # the in-progress record, put back if Redis loses it
+    engine_request_id: str = ""  # this attempt's id in the engine (`new_engine_request_id`)
 
     @classmethod
     def create(
@@ -55,10 +74,13 @@ class JobState:
         prompt_token_ids: list[int],
         loop: asyncio.AbstractEventLoop,
         picked_at: float | None = None,
+        engine_request_id: str = "",
     ) -> JobState:
         timings = Timings(queued_at=payload.created, started_at=time.time(), picked_at=picked_at)
         choices = [ChoiceState() for _ in range(payload.num_choices)]
-        return cls(payload, attempt, prompt_token_ids, loop.create_future(), choices, timings)
+        state = cls(payload, attempt, prompt_token_ids, loop.create_future(), choices, timings)
+        state.engine_request_id = engine_request_id or new_engine_request_id(payload.id)
+        return state
 
     @property
     def is_finished(self) -> bool:

@@ -12,7 +12,7 @@ from redis.exceptions import RedisError
 from shared.retry import FOREVER, Backoff, retry
 from shared.tokenizer import Tokenizer
 from worker.engine.engine import SequenceOutput
-from worker.job_state import JobState
+from worker.job_state import JobState, job_for
 from worker.metrics import WorkerMetricsRecorder
 from worker.store import JobStore
 
@@ -66,11 +66,11 @@ class Publisher:
         entries: list[tuple[str, object]] = []
         for outputs in batches:
             for output in outputs:
-                job = self.jobs.get(output.request_id)
-                if job is None or job.outcome.done():
+                job = job_for(self.jobs, output.request_id)
+                if job is None or job.outcome.done():  # ended, or an earlier attempt's
                     continue
                 previous_token_at = job.last_token_at
-                entries.append((output.request_id, job.apply(output, self.tokenizer)))
+                entries.append((job.payload.id, job.apply(output, self.tokenizer)))
                 if self.metrics:
                     self.metrics.observe_token(job, previous_token_at)
                 if job.is_finished:

@@ -30,7 +30,7 @@ from shared.tokenizer import Tokenizer
 from worker.engine.engine import LLMEngine, PreparedRequest
 from worker.engine.sampling_params import SamplingParams
 from worker.engine_thread import EngineHost, EngineStepError, EngineThread
-from worker.job_state import JobState
+from worker.job_state import JobState, job_for, new_engine_request_id
 from worker.listener import Listener
 from worker.metrics import WorkerMetricsRecorder
 from worker.publisher import Publisher
@@ -126,7 +126,8 @@ class WorkerService:
                 await self.store.append_now(
                     payload.id, RestartEvent(attempt=attempt, reason=reason)
                 )
-            prepared = self._prepare(payload)
+            engine_request_id = new_engine_request_id(payload.id)
+            prepared = self._prepare(payload, engine_request_id)
         except InvalidRequestError as exc:
             error = ErrorEvent(
                 status=400,
@@ -140,7 +141,9 @@ class WorkerService:
         finally:
             self.num_pending -= 1
         all_prompt_ids = [t for request in prepared for t in request.prompt_token_ids]
-        job = JobState.create(payload, attempt, all_prompt_ids, self.loop, picked_at)
+        job = JobState.create(
+            payload, attempt, all_prompt_ids, self.loop, picked_at, engine_request_id
+        )
         job.record_json = record.model_dump_json()
         self.jobs[payload.id] = job
         if self.metrics:
@@ -165,10 +168,10 @@ class WorkerService:
         try:
             outcome = await asyncio.wait_for(asyncio.shield(job.outcome), timeout)
         except TimeoutError:
-            self.engine_thread.abort(job_id)
+            self.engine_thread.abort(job.engine_request_id)
             outcome = "timeout"
         except (asyncio.CancelledError, HandBack) as exc:
-            self.engine_thread.abort(job_id)
+            self.engine_thread.abort(job.engine_request_id)
             self.jobs.pop(job_id, None)
             record_attempt(job, self.worker_id, type(exc).__name__)
             raise
@@ -203,7 +206,7 @@ class WorkerService:
         else:  # rejected by the engine
             await self._finish(record, "failed", job.error)
 
-    def _prepare(self, payload: JobPayload) -> list[PreparedRequest]:
+    def _prepare(self, payload: JobPayload, engine_request_id: str) -> list[PreparedRequest]:
         """The job's token ids as the API sent them (never tokenized again) and its params:
         one engine request per prompt, its choices numbered from prompt * n."""
         try:
@@ -213,7 +216,7 @@ class WorkerService:
         prepared = []
         for number, prompt_ids in enumerate(payload.prompts):
             request = self.engine.prepare(
-                payload.id,
+                engine_request_id,
                 prompt_ids,
                 params,
                 payload.priority,
@@ -238,7 +241,7 @@ class WorkerService:
         """End a job as failed with a reason, unless it already ended."""
         job = self.jobs.pop(job_id, None)
         if job is not None:
-            self.engine_thread.abort(job_id)
+            self.engine_thread.abort(job.engine_request_id)
         record = await self.store.get(job_id)
         if record is not None:
             await self._finish(record, "failed", error)
@@ -252,14 +255,14 @@ class WorkerService:
     def cancel(self, job_id: str) -> None:
         job = self.jobs.get(job_id)
         if job is not None and not job.outcome.done():
-            self.engine_thread.abort(job_id)
+            self.engine_thread.abort(job.engine_request_id)
             job.outcome.set_result("cancelled")
 
     def hand_back_all(self) -> list[str]:
         """Abort every running job so its arq task can re-queue it (shutdown)."""
         job_ids = [jid for jid, job in self.jobs.items() if not job.outcome.done()]
         for job_id in job_ids:
-            self.engine_thread.abort(job_id)
+            self.engine_thread.abort(self.jobs[job_id].engine_request_id)
             self.jobs[job_id].outcome.set_exception(HandBack(job_id))
         return job_ids
 
@@ -274,7 +277,7 @@ class WorkerService:
         self.loop.call_soon_threadsafe(self._reject, request_id, exc)
 
     def _reject(self, request_id: str, exc: Exception) -> None:
-        job = self.jobs.get(request_id)
+        job = job_for(self.jobs, request_id)
         if job is None or job.outcome.done():
             return
         if isinstance(exc, EngineStepError):

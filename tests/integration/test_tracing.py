@@ -74,7 +74,8 @@ async def engine_forgot(service: WorkerService, request_id: str) -> None:
     deadline = time.monotonic() + 30
     quiet = 0
     while quiet < 3 and time.monotonic() < deadline:
-        busy = request_id in service.engine.request_ids() or not service.publisher._outputs.empty()
+        held = {held.rsplit("~", 1)[0] for held in service.engine.request_ids()}  # job~attempt
+        busy = request_id in held or not service.publisher._outputs.empty()
         quiet = 0 if busy else quiet + 1
         await asyncio.sleep(0.01)
 
