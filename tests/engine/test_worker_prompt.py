@@ -32,6 +32,21 @@ class NoTokenizing:
         return getattr(self._inner, name)
 
 
+PROMPT_IDS = [7, 8, 9, 10, 11]
+
+
+def greedy_job(job_id: str, max_tokens: int, **fields: Any) -> JobPayload:
+    """A greedy job on PROMPT_IDS (a chat job where `messages` are given)."""
+    return JobPayload(
+        id=job_id,
+        endpoint="chat.completions" if "messages" in fields else "completions",
+        model="tiny",
+        prompt_token_ids=PROMPT_IDS,
+        sampling=SamplingSpec(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+        **fields,
+    )
+
+
 async def _run(service: WorkerService, redis: Any, payload: JobPayload) -> list:
     keys = service.keys
     record = JobRecord(id=payload.id, url="/v1/chat/completions", model=payload.model)
@@ -53,15 +68,8 @@ def test_the_worker_does_not_tokenize_a_prompt_the_api_tokenized(
     engine.tokenizer = NoTokenizing(engine.tokenizer)  # type: ignore[assignment]
     tokenizer = NoTokenizing(engine.tokenizer._inner)
     # The text would tokenize to other ids: the worker must run the ids it was sent.
-    prompt_ids = [7, 8, 9, 10, 11]
-    payload = JobPayload(
-        id="job-1",
-        endpoint="chat.completions",
-        model="tiny",
-        prompt_token_ids=prompt_ids,
-        messages=[{"role": "user", "content": "w50 w51"}],
-        sampling=SamplingSpec(temperature=0, max_tokens=4, ignore_eos=True),
-    )
+    prompt_ids = PROMPT_IDS
+    payload = greedy_job("job-1", 4, messages=[{"role": "user", "content": "w50 w51"}])
 
     async def scenario() -> list:
         redis = fakeredis.FakeAsyncRedis()
@@ -99,14 +107,8 @@ def test_a_retry_on_the_same_worker_never_gets_the_aborted_attempts_tokens(
     events must be exactly a fresh run (one id per attempt in the engine)."""
     engine = make_engine(tiny_model_dirs["llama"])
     tokenizer = engine.tokenizer
-    prompt_ids = [7, 8, 9, 10, 11]
-    payload = JobPayload(
-        id="job-r",
-        endpoint="completions",
-        model="tiny",
-        prompt_token_ids=prompt_ids,
-        sampling=SamplingSpec(temperature=0, max_tokens=24, ignore_eos=True),
-    )
+    prompt_ids = PROMPT_IDS
+    payload = greedy_job("job-r", 24)
 
     async def scenario() -> tuple[str, list]:
         redis = fakeredis.FakeAsyncRedis()
