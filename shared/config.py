@@ -230,7 +230,10 @@ def preload_allocator() -> None:
     happens once (the library is then in `LD_PRELOAD`) and never where the library is
     missing or `LLM_MALLOC=system`. Call it first thing in an entry point.
     """
-    library = allocator_library(Settings().malloc)
+    try:
+        library = allocator_library(Settings().malloc)
+    except ValueError:  # invalid settings: the command line reports them, on glibc malloc
+        return
     preloaded = os.environ.get("LD_PRELOAD", "")
     if library is None or library in preloaded.split(":"):
         return
