@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from arq import Retry
@@ -103,13 +104,7 @@ class LadleWorker(Worker):
         arq reads Redis's INFO (`log_redis_info`) before its poll loop, outside
         `_poll_iteration`: one connect timeout there ended the worker. We set no
         `on_startup` and the poll loop never raises, so running main again is safe."""
-        await retry(
-            super().main,
-            on=(RedisError, OSError),
-            what="queue start-up",
-            backoff=POLL_BACKOFF,
-            give_up_after_s=FOREVER,
-        )
+        await _until_redis_answers(super().main, "queue start-up")
 
     async def start_jobs(self, job_ids: list[bytes]) -> None:
         """Admission. arq offers every queued id it read and has no hook to decline one, so
@@ -160,13 +155,7 @@ class LadleWorker(Worker):
         the first Redis error, and its wait between polls is a fixed sleep. Redis errors are
         retried here forever, anything else is logged: nothing may end the poll loop."""
         try:
-            await retry(
-                super()._poll_iteration,
-                on=(RedisError, OSError),
-                what="queue poll",
-                backoff=POLL_BACKOFF,
-                give_up_after_s=FOREVER,
-            )
+            await _until_redis_answers(super()._poll_iteration, "queue poll")
             if self.lane != "interactive":
                 await asyncio.sleep(BATCH_POLL_S)
                 return
@@ -238,3 +227,10 @@ def _batch_room(service: WorkerService, num_starting: int) -> int:
 
 def _running(task: asyncio.Task | None) -> bool:
     return task is not None and not task.done()
+
+
+async def _until_redis_answers(op: Callable[[], Awaitable[None]], what: str) -> None:
+    """Run `op`, retrying Redis and socket errors forever (arq's own code gives up on one)."""
+    await retry(
+        op, on=(RedisError, OSError), what=what, backoff=POLL_BACKOFF, give_up_after_s=FOREVER
+    )
