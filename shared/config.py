@@ -79,7 +79,12 @@ class Settings(BaseSettings):
     linear_kernel: str = Field(
         "auto",
         description="matmul kernel: auto (timed per batch bucket at start), plain, prepacked, "
-        "float32",
+        "float32, native",
+    )
+    native_kernels: bool = Field(
+        True,
+        description="Ladle's own C++ CPU kernels (bf16 matmul, paged decode attention), built "
+        "with g++ at first start and cached; off: oneDNN matmuls and eager attention only",
     )
     cache_dir: str = Field(
         "~/.cache/ladle", description="converted GGUF models and other one-time work"

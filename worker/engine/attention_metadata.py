@@ -26,6 +26,11 @@ def slots_for(block_ids: list[int], start: int, end: int, block_size: int) -> li
     return [block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)]
 
 
+def decode_context_lens(chunks: list[ScheduledChunk]) -> list[int]:
+    """Keys each decode row attends to: one row per token, each seeing up to itself."""
+    return [c.start_position + j + 1 for c in chunks for j in range(c.num_tokens)]
+
+
 def decode_tensors(
     chunks: list[ScheduledChunk],
     block_size: int,
@@ -42,7 +47,7 @@ def decode_tensors(
     its first slot only (no row is all -inf, so no NaN even in padding).
     """
     row_tables = [c.block_ids for c in chunks for _ in range(c.num_tokens)]
-    context_lens = [c.start_position + j + 1 for c in chunks for j in range(c.num_tokens)]
+    context_lens = decode_context_lens(chunks)
     blocks_used = [cdiv(n, block_size) for n in context_lens]
     max_blocks = num_blocks or max(blocks_used)
     num_pad = (num_rows or len(row_tables)) - len(row_tables)
@@ -101,9 +106,11 @@ def build_step_inputs(
         slot_mapping=_to(slot_mapping, device), num_decode_tokens=num_decode, prefills=prefills
     )
     if num_decode:
-        tables, mask = decode_tensors(chunks[:num_decode_chunks], block_size)
+        decode_chunks = chunks[:num_decode_chunks]
+        tables, mask = decode_tensors(decode_chunks, block_size)
         metadata.decode_block_tables = tables.to(device, non_blocking=True)
         metadata.decode_mask = mask.to(device, non_blocking=True)
+        metadata.decode_context_lens = _to(decode_context_lens(decode_chunks), device)
     return StepInputs(
         input_ids=_to(input_ids, device),
         positions=_to(positions, device),

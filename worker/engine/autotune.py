@@ -18,7 +18,6 @@ import hashlib
 import json
 import logging
 import platform
-import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -92,15 +91,24 @@ def buckets_for(max_num_seqs: int) -> list[int]:
     return sorted({*decode, max(PREFILL_BUCKET, max_num_seqs)})
 
 
-def _time_group(kernels: list[LinearKernel], x: torch.Tensor, repeats: int = 3) -> float:
-    """Median seconds for one pass over every layer of the group."""
-    times = []
-    for _ in range(repeats + 1):
+def _time_group(
+    kernels: list[LinearKernel], x: torch.Tensor, min_passes: int = 5, min_seconds: float = 0.03
+) -> float:
+    """Fastest of several passes over every layer of the group (at least `min_passes` and
+    `min_seconds` of passes, after one warm-up): the minimum, because a pass is only ever
+    slowed by what else the machine does, and small groups need many passes to see it."""
+    times: list[float] = []
+    for _ in range(1 + min_passes):  # the first is a warm-up
         started = time.perf_counter()
         for kernel in kernels:
             kernel(x)
         times.append(time.perf_counter() - started)
-    return statistics.median(times[1:])
+    while sum(times[1:]) < min_seconds:
+        started = time.perf_counter()
+        for kernel in kernels:
+            kernel(x)
+        times.append(time.perf_counter() - started)
+    return min(times[1:])
 
 
 def _measure_group(

@@ -47,6 +47,7 @@ class EngineConfig:
     speculative_ngram_size: int = _setting("speculative_ngram_size")
     compile: str = _setting("compile")
     linear_kernel: str = _setting("linear_kernel")
+    native_kernels: bool = _setting("native_kernels")
 
     @classmethod
     def from_settings(cls, settings: Settings) -> EngineConfig:

@@ -19,6 +19,7 @@ from worker.engine.model_runner import ModelRunner
 from worker.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from worker.engine.sampler import Sampler
 from worker.engine.threads import ThreadChooser
+from worker.layers import native
 from worker.models.loader import LoadedModel, load_model
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,9 @@ class TorchExecutor:
         self.device = str(loaded.device)
         self.dtype = str(loaded.dtype).removeprefix("torch.")
         self.num_threads = torch.get_num_threads()
+        self.native_kernels = native.configure(
+            config.native_kernels and loaded.device.type == "cpu", config.cache_dir
+        )
         self.kernel_plan: KernelPlan = choose_kernels(
             loaded.model,
             config.linear_kernel,
@@ -87,9 +91,13 @@ class TorchExecutor:
             cache_dir=config.cache_dir,
             # Dynamo guards on the thread count: compile for every count a step may use.
             compile_threads=sorted({self.num_threads, *self._decode_thread_counts()}),
+            native_forward=self.native_kernels,
         )
         self.compiled = self.runner.compiled is not None
         self.kernels = self.kernel_plan.summary()
+        self.kernels["forward"] = (
+            "native" if self.runner.native_forward else "compiled" if self.compiled else "eager"
+        )
         self._switch_threads = loaded.device.type == "cpu"
         logger.info(
             "kv cache: %d blocks of %d tokens (%.1f MiB), max_model_len %d, %s %s",

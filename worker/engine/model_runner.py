@@ -51,6 +51,7 @@ class ModelRunner:
         compile_mode: CompileMode = "off",
         cache_dir: str | None = None,
         compile_threads: list[int] | None = None,
+        native_forward: bool = True,
     ) -> None:
         self.loaded = loaded
         self.model = loaded.model
@@ -64,6 +65,14 @@ class ModelRunner:
             loaded.hf_config, num_blocks + 1, block_size, loaded.dtype, loaded.device
         )
         bind_kv_cache(self.model, self.kv_cache)
+        # CPU, bf16: the forward on Ladle's native kernels where the model has one. It fuses
+        # what inductor would, at less cost per call, so only LLM_COMPILE=on compiles then.
+        use_native = getattr(self.model, "use_native", None)
+        self.native_forward = bool(
+            use_native and use_native(native_forward and compile_mode != "on")
+        )
+        if self.native_forward:
+            compile_mode = "off"
         # CPU: the forward as an inductor program (None: eager); warmed up here, off the
         # request path.
         self.compiled = compile_forward(

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.layers import native
 from worker.layers.context import AttentionMetadata, PrefillChunkMeta, get_attention_metadata
 from worker.layers.handles import handle_of, resolve
 
@@ -61,8 +62,11 @@ def paged_attention(
     # [Hkv, num_blocks * block_size, hd]: slot s of every head
     k_slots = k_cache.view(num_kv_heads, -1, head_dim)
     v_slots = v_cache.view(num_kv_heads, -1, head_dim)
-    k_slots.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-    v_slots.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+    if _native_bf16(k_cache):
+        torch.ops.ladle_native.write_kv_bf16(k, v, k_cache, v_cache, meta.slot_mapping)
+    else:
+        k_slots.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+        v_slots.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
     num_decode = meta.num_decode_tokens
     if num_decode == q.shape[0]:  # a decode-only step: no output buffer, no copy
         return _decode(q, k_cache, v_cache, meta, scale)
@@ -106,7 +110,28 @@ def _sdpa(
     )
 
 
+def _native_bf16(cache: torch.Tensor) -> bool:
+    """Whether Ladle's native kernels serve this cache (bf16 on a CPU where they loaded)."""
+    return cache.dtype == torch.bfloat16 and cache.device.type == "cpu" and native.loaded()
+
+
 def _decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Decode rows against their cached keys: the native kernel where it serves, else eager."""
+    native_shape = native.decode_supported(k_cache.shape[-1], q.shape[1] // k_cache.shape[0])
+    if meta.decode_context_lens is not None and native_shape and _native_bf16(k_cache):
+        return torch.ops.ladle_native.paged_decode_bf16(
+            q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
+        )
+    return _decode_eager(q, k_cache, v_cache, meta, scale)
+
+
+def _decode_eager(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,

@@ -33,12 +33,15 @@ class AttentionMetadata:
     Decode tokens come first: `num_decode_tokens` of them, one per sequence, attended in one
     batched op over `decode_block_tables` ([D, max_blocks]) with `decode_mask`, a float32
     additive key mask ([D, 1, max_blocks * block_size]: 0 = attend, -inf = padding).
+    `decode_context_lens` ([D], int64) says how many keys each row has: the native kernel
+    reads the block tables with it instead of the mask (absent where a CUDA graph pads rows).
     """
 
     slot_mapping: torch.Tensor
     num_decode_tokens: int = 0
     decode_block_tables: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None
+    decode_context_lens: torch.Tensor | None = None
     prefills: list[PrefillChunkMeta] = field(default_factory=list)
 
 

@@ -20,6 +20,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from worker.layers import native
 from worker.layers.handles import resolve
 
 
@@ -122,9 +123,55 @@ def _build_float32(weight: torch.Tensor, bias: torch.Tensor | None) -> LinearKer
     return Float32Kernel(weight, bias)
 
 
+class NativeBf16Kernel:
+    """Ladle's own small-batch bf16 matmul (`worker/layers/native/gemm_bf16.cpp`).
+
+    The weight is packed once for AVX512-BF16 dot products and streamed front to back; x's
+    rows share each load. Built only where the native ops loaded (a C++ compiler and a CPU
+    with AVX512-BF16). Accumulates in float32 in its own order, so not bitwise equal to
+    oneDNN's bf16 product; the autotuner offers it where it is faster.
+    """
+
+    name = "native"
+    amx = False
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.packed = native.pack_bf16(weight)
+        self.bias = bias
+        self.op = torch.ops.ladle_native.gemm_bf16
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.op(x, self.packed, self.bias, self.amx)
+
+
+class NativeAmxKernel(NativeBf16Kernel):
+    """The same packed weight through AMX tiles for 2+ rows (Intel CPUs with AMX-BF16).
+
+    One tile multiply covers up to 16 rows, so 16 rows cost about what one does: the weight
+    streams once, four blocks in flight. One row still takes `native`'s AVX-512 path.
+    """
+
+    name = "amx"
+    amx = True
+
+
+def _build_native(weight: torch.Tensor, bias: torch.Tensor | None) -> LinearKernel | None:
+    if weight.device.type != "cpu" or not native.loaded() or not native.packable(weight):
+        return None
+    return NativeBf16Kernel(weight, bias)
+
+
+def _build_amx(weight: torch.Tensor, bias: torch.Tensor | None) -> LinearKernel | None:
+    if _build_native(weight, bias) is None or not native.amx_usable(*weight.shape):
+        return None
+    return NativeAmxKernel(weight, bias)
+
+
 register_kernel("plain", PlainKernel)
 register_kernel("prepacked", _build_prepacked)
 register_kernel("float32", _build_float32)
+register_kernel("native", _build_native)
+register_kernel("amx", _build_amx)
 
 
 class BucketedKernel:

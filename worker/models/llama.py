@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from worker.layers import native
 from worker.layers.activation import SiluAndMul
 from worker.layers.attention import PagedAttention
 from worker.layers.linear import Linear, PackedLinear
@@ -90,6 +91,19 @@ class LlamaAttention(nn.Module):
         out = self.attn(q, k, v)
         return self.o_proj(out.view(num_tokens, -1))
 
+    def forward_native(
+        self, hidden: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding
+    ) -> torch.Tensor:
+        """`forward` for bf16 on the native kernels: rotary in place on the fused qkv."""
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden).view(num_tokens, -1, self.head_dim)
+        num_qk = self.num_heads + self.num_kv_heads
+        torch.ops.ladle_native.rotary_bf16_(
+            qkv, positions, rotary.cos_cache, rotary.sin_cache, num_qk
+        )
+        out = self.attn(qkv[:, : self.num_heads], qkv[:, self.num_heads : num_qk], qkv[:, num_qk:])
+        return self.o_proj(out.view(num_tokens, -1))
+
 
 class LlamaMLP(nn.Module):
     def __init__(self, config: Any, variant: LlamaVariant) -> None:
@@ -101,6 +115,9 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(torch.ops.ladle_native.silu_mul_bf16(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -127,13 +144,32 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(
             rope_parameters(config), head_dim_of(config), max_positions
         )
+        self.variant = variant
+        self.native = False  # run `forward_native` (set by `LlamaForCausalLM.use_native`)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        if self.native:
+            return self.forward_native(hidden, positions)
         cos, sin = self.rotary_emb(positions)
         for layer in self.layers:
             hidden = layer(hidden, cos, sin)
         return self.norm(hidden)
+
+    def forward_native(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The same layers as a residual stream on the native bf16 kernels: each residual add
+        is fused with the norm after it, so a layer is 10 calls (5 of them matmuls)."""
+        ops = torch.ops.ladle_native
+        norms = [layer.input_layernorm for layer in self.layers] + [self.norm]
+        residual = hidden
+        x = ops.rms_norm_bf16(hidden, norms[0].weight, norms[0].eps)
+        for layer, next_norm in zip(self.layers, norms[1:], strict=True):
+            x = layer.self_attn.forward_native(x, positions, self.rotary_emb)
+            post = layer.post_attention_layernorm
+            x, residual = ops.add_rms_norm_bf16(x, residual, post.weight, post.eps)
+            x = layer.mlp.forward_native(x)
+            x, residual = ops.add_rms_norm_bf16(x, residual, next_norm.weight, next_norm.eps)
+        return x
 
 
 class LlamaForCausalLM(nn.Module):
@@ -150,6 +186,23 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
+
+    def use_native(self, enabled: bool) -> bool:
+        """Run the native-kernel forward from now on where it applies; returns whether it does.
+
+        It applies to bf16 weights on CPU once the native kernels loaded, for every member of
+        the family but Qwen3 (its per-head q/k norms run eagerly).
+        """
+        param = self.lm_head.weight
+        self.model.native = (
+            enabled
+            and native.loaded()
+            and param.device.type == "cpu"
+            and self.model.embed_tokens.weight.dtype == torch.bfloat16
+            and not self.model.variant.qk_norm
+            and head_dim_of(self.config) % 2 == 0
+        )
+        return self.model.native
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab] for the selected hidden states [N, H].

@@ -1,0 +1,244 @@
+"""Ladle's native CPU kernels (worker/layers/native) against the eager code they replace.
+
+Each op is checked against the eager bf16 computation (or a float32 reference where the op
+accumulates in float32), then the whole bf16 forward with and without them, and the engine
+end to end. Skipped where the kernels cannot be built here (no g++ or no AVX512-BF16); the
+AMX cases also need a CPU with AMX.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.engine.conftest import TEST_DEVICE, add_tiny_tokenizer, assert_all_blocks_free
+from tests.engine.conftest import make_engine as make_test_engine
+from tests.engine.tiny_models import ArgmaxSampler, ManualBatch, make_request, tiny_model_dir
+from worker.engine.model_runner import ModelRunner
+from worker.engine.sampling_params import SamplingParams
+from worker.layers import native
+from worker.layers.activation import SiluAndMul
+from worker.layers.attention import _decode_eager
+from worker.layers.context import AttentionMetadata
+from worker.layers.linear_kernels import build_kernel
+from worker.layers.norm import RMSNorm
+from worker.layers.rotary import RotaryEmbedding, apply_rotary
+from worker.models.loader import load_model
+
+pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="CPU kernels")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def loaded_native(tmp_path_factory):
+    if not native.configure(True, str(tmp_path_factory.mktemp("native-cache"))):
+        pytest.skip(f"native kernels unavailable here: {native.status()}")
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)  # the kernels split work over threads: cover the split
+    yield
+    torch.set_num_threads(previous)
+
+
+def _bf16(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).bfloat16()
+
+
+@pytest.mark.parametrize("name", ["native", "amx"])
+@pytest.mark.parametrize("out_features,in_features", [(64, 32), (960, 576), (192, 1536)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemm_matches_float32_product(name, out_features, in_features, bias):
+    weight = _bf16(out_features, in_features, seed=1)
+    b = _bf16(out_features, seed=2) if bias else None
+    kernel = build_kernel(name, weight, b)
+    if kernel is None:
+        assert name == "amx" and not native.amx_usable(out_features, in_features)
+        pytest.skip("no AMX for this shape or CPU")
+    for rows in (1, 2, 3, 8, 15, 16, 17, 40):
+        x = _bf16(rows, in_features, seed=rows)
+        expected = x.float() @ weight.float().T + (b.float() if bias else 0)
+        got = kernel(x)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+        # float32 sums rounded once to bf16: within bf16's half-ulp of the exact product
+        torch.testing.assert_close(got.float(), expected, rtol=2**-8, atol=1e-2)
+
+
+def test_unpackable_shapes_are_not_offered():
+    assert build_kernel("native", _bf16(65, 32), None) is None  # rows not a multiple of 16
+    assert build_kernel("native", torch.randn(64, 32), None) is None  # float32 weight
+
+
+def _decode_case(rows: int, heads: int, kv_heads: int, head_dim: int, seed: int):
+    block_size, num_blocks = 16, 64
+    rng = random.Random(seed)
+    k_cache = _bf16(kv_heads, num_blocks, block_size, head_dim, seed=seed)
+    v_cache = _bf16(kv_heads, num_blocks, block_size, head_dim, seed=seed + 1)
+    lens = [rng.randrange(1, 200) for _ in range(rows)]
+    max_blocks = max(-(-n // block_size) for n in lens)
+    tables = torch.tensor([rng.sample(range(num_blocks), max_blocks) for _ in lens])
+    padding = torch.arange(max_blocks * block_size)[None, :] >= torch.tensor(lens)[:, None]
+    mask = torch.zeros(padding.shape).masked_fill_(padding, float("-inf"))[:, None, :]
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(rows, dtype=torch.long),
+        num_decode_tokens=rows,
+        decode_block_tables=tables,
+        decode_mask=mask,
+        decode_context_lens=torch.tensor(lens),
+    )
+    q = _bf16(rows, heads, head_dim, seed=seed + 2)
+    return q, k_cache, v_cache, meta
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
+def test_paged_decode_matches_eager_attention(heads, kv_heads, head_dim):
+    q, k_cache, v_cache, meta = _decode_case(7, heads, kv_heads, head_dim, seed=head_dim)
+    scale = head_dim**-0.5
+    got = torch.ops.ladle_native.paged_decode_bf16(
+        q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
+    )
+    # float32 reference over exactly each row's positions
+    for row, length in enumerate(meta.decode_context_lens.tolist()):
+        table = meta.decode_block_tables[row]
+        slots = [int(table[p // 16]) * 16 + p % 16 for p in range(length)]
+        k = k_cache.view(kv_heads, -1, head_dim)[:, slots].float()
+        v = v_cache.view(kv_heads, -1, head_dim)[:, slots].float()
+        qf = q[row].float().view(kv_heads, heads // kv_heads, head_dim)
+        expected = ((qf @ k.transpose(1, 2)) * scale).softmax(-1) @ v
+        torch.testing.assert_close(
+            got[row].float(), expected.reshape(heads, head_dim), rtol=2**-7, atol=2e-2
+        )
+    # and the eager path (bf16 scores, so looser) agrees too
+    eager = _decode_eager(q, k_cache, v_cache, meta, scale)
+    torch.testing.assert_close(got.float(), eager.float(), rtol=0.05, atol=0.05)
+
+
+def test_paged_decode_refuses_a_table_too_short():
+    q, k_cache, v_cache, meta = _decode_case(2, 4, 2, 32, seed=3)
+    lens = meta.decode_context_lens.clone()
+    lens[0] = meta.decode_block_tables.shape[1] * 16 + 1
+    with pytest.raises(RuntimeError, match="does not fit its block table"):
+        torch.ops.ladle_native.paged_decode_bf16(
+            q, k_cache, v_cache, meta.decode_block_tables, lens, 0.1
+        )
+
+
+def test_write_kv_equals_index_copy():
+    k_cache, v_cache = _bf16(3, 10, 16, 64, seed=4), _bf16(3, 10, 16, 64, seed=5)
+    # strided k/v, as they come out of a fused qkv
+    qkv = _bf16(5, 9 + 6, 64, seed=6)
+    k, v = qkv[:, 9:12], qkv[:, 12:]
+    slots = torch.tensor([0, 17, 159, 64, 3])
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    expected_k.view(3, -1, 64).index_copy_(1, slots, k.transpose(0, 1))
+    expected_v.view(3, -1, 64).index_copy_(1, slots, v.transpose(0, 1))
+    torch.ops.ladle_native.write_kv_bf16(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    with pytest.raises(RuntimeError, match="out of range"):
+        torch.ops.ladle_native.write_kv_bf16(k, v, k_cache, v_cache, slots + 150)
+
+
+@pytest.mark.parametrize("size", [64, 576, 100])  # 100: a masked tail
+def test_norms_match_eager(size):
+    norm = RMSNorm(size, 1e-5).to(torch.bfloat16)
+    norm.weight.data = _bf16(size, seed=7)
+    x, residual = _bf16(5, size, seed=8), _bf16(5, size, seed=9)
+    got = torch.ops.ladle_native.rms_norm_bf16(x, norm.weight, norm.eps)
+    # the sum of squares runs in another order: at most one bf16 rounding step apart
+    torch.testing.assert_close(got, norm(x), rtol=2**-7, atol=1e-3)
+    normed, summed = torch.ops.ladle_native.add_rms_norm_bf16(x, residual, norm.weight, norm.eps)
+    assert torch.equal(summed, x + residual)
+    torch.testing.assert_close(normed, norm(x + residual), rtol=2**-7, atol=1e-3)
+
+
+@pytest.mark.parametrize("size", [128, 1536, 40])
+def test_silu_mul_matches_eager(size):
+    x = _bf16(3, 2 * size, seed=10) * 4
+    got = torch.ops.ladle_native.silu_mul_bf16(x)
+    torch.testing.assert_close(got, SiluAndMul()(x), rtol=2**-7, atol=1e-3)
+
+
+@pytest.mark.parametrize("head_dim", [64, 32, 40])
+def test_rotary_in_place_equals_eager(head_dim):
+    params = {"rope_type": "default", "rope_theta": 10000.0}
+    rotary = RotaryEmbedding(params, head_dim, 256).to(torch.bfloat16)
+    rotary.build_cache()
+    positions = torch.tensor([0, 5, 255, 17])
+    x = _bf16(4, 6, head_dim, seed=11)
+    cos, sin = rotary(positions)
+    expected = apply_rotary(x[:, :5], cos, sin)
+    got = x.clone()
+    torch.ops.ladle_native.rotary_bf16_(got, positions, rotary.cos_cache, rotary.sin_cache, 5)
+    assert torch.equal(got[:, :5], expected)  # rounded where eager rounds: bit for bit
+    assert torch.equal(got[:, 5:], x[:, 5:])  # heads past `heads` untouched
+
+
+@pytest.fixture(scope="module")
+def bf16_model_dir(tmp_path_factory):
+    """head_dim 32: every native op applies, the decode attention included."""
+    path = tiny_model_dir(
+        "llama", tmp_path_factory.mktemp("native-model"), hidden_size=128, intermediate_size=256
+    )
+    add_tiny_tokenizer(path)
+    return path
+
+
+def _logits(loaded, use_native: bool, prompt: list[int], decode_steps: int) -> torch.Tensor:
+    """Prefill, then greedy decode steps; logits of every step [1 + steps, vocab]."""
+    runner = ModelRunner(loaded, 32, 16, ArgmaxSampler(), native_forward=use_native)
+    assert runner.native_forward == use_native
+    batch = ManualBatch(16, list(range(32)))
+    request = make_request("r", prompt)
+    out = [runner.compute_logits(batch.step([batch.chunk(request, request.num_tokens)]))]
+    for _ in range(decode_steps):
+        request.append_output_token(int(out[-1][0].argmax()))
+        out.append(runner.compute_logits(batch.step([batch.chunk(request, 1)])))
+    return torch.cat(out)
+
+
+def test_native_forward_matches_eager_forward(bf16_model_dir):
+    loaded = load_model(str(bf16_model_dir), dtype="bfloat16", device="cpu")
+    prompt = [random.Random(12).randrange(3, 256) for _ in range(40)]
+    native_logits = _logits(loaded, True, prompt, decode_steps=6)
+    eager_logits = _logits(loaded, False, prompt, decode_steps=6)
+    scale = eager_logits.abs().max()
+    assert (native_logits - eager_logits).abs().max() < 0.05 * scale
+    assert torch.equal(native_logits.argmax(-1), eager_logits.argmax(-1))
+
+
+def test_engine_runs_native_and_frees_every_block(bf16_model_dir):
+    engine = make_test_engine(bf16_model_dir, dtype="bfloat16", linear_kernel="auto")
+    assert engine.executor.kernels["forward"] == "native"
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    for i in range(5):
+        engine.add_request(engine.prepare(f"r{i}", [3 + i] * (5 + 7 * i), params))
+    finished = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+    assert len(finished) == 5
+    assert all(o.num_output_tokens == 12 for o in finished.values())
+    assert_all_blocks_free(engine)
+
+
+def test_setting_off_runs_eager(bf16_model_dir):
+    engine = make_test_engine(bf16_model_dir, dtype="bfloat16", native_kernels=False)
+    try:
+        assert engine.executor.kernels["forward"] == "eager"
+        assert not native.loaded()
+    finally:
+        native.configure(True)
+
+
+def test_build_failure_is_reported_not_raised(monkeypatch):
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setattr(native.shutil, "which", lambda name: None)
+    assert native.load() is False
+    assert "no C++ compiler" in native.status()
+
+
+def test_plain_linear_baseline_is_untouched():
+    # the plain kernel is F.linear whatever the native state: the exactness tests' kernel
+    w, x = torch.randn(32, 16), torch.randn(3, 16)
+    assert torch.equal(build_kernel("plain", w, None)(x), F.linear(x, w))

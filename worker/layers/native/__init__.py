@@ -1,0 +1,190 @@
+"""Ladle's own CPU kernels: C++ compiled on the machine at hand and loaded as torch ops.
+
+`load(cache_dir)` compiles `gemm_bf16.cpp` once with the system's g++ (`-march=native`, so the
+code uses exactly the instructions this CPU has) against the running torch's headers, and
+loads it with `torch.ops.load_library`; the ops then live under `torch.ops.ladle_native`.
+The shared object is cached under `{cache}/native/`, keyed by the source, the CPU's model and
+flags, torch's version and the compiler's, so a restart on the same machine loads it in
+milliseconds (a first build takes ~20 s).
+
+Nothing depends on it: where there is no compiler, the build fails, or the CPU lacks the
+instructions, `load` says why in one log line and returns False, and the kernels built on it
+(`worker/layers/linear_kernels.py`) do not apply, so the autotuner never offers them.
+`LLM_NATIVE_KERNELS=false` skips the build and uses none of them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from shared.model_files import cache_root
+
+logger = logging.getLogger(__name__)
+
+_HERE = Path(__file__).parent
+SOURCES = tuple(_HERE / name for name in ("gemm_bf16.cpp", "attention_bf16.cpp", "glue_bf16.cpp"))
+HEADERS = (_HERE / "vec_bf16.h",)
+BUILD_TIMEOUT_S = 600
+_state: dict[str, object] = {}  # "loaded": bool, "reason": str (why not)
+
+
+def _cpu_identity() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return os.uname().machine
+    info = dict(line.split(":", 1) for line in lines if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in info.items()}
+    return f"{fields.get('model name', '')} [{fields.get('flags', '')}]"
+
+
+def _compiler() -> str | None:
+    return shutil.which("g++") or shutil.which("c++")
+
+
+def _flags() -> list[str]:
+    torch_dir = Path(torch.__file__).parent
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return [
+        "-O3",
+        "-march=native",
+        "-std=c++20",
+        "-fPIC",
+        "-fopenmp",  # at::parallel_for's OpenMP region (torch's own libgomp is already loaded)
+        "-w",
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        f"-I{torch_dir / 'include'}",
+    ]
+
+
+def _link(objects: list[Path], output: Path) -> list[str]:
+    torch_lib = Path(torch.__file__).parent / "lib"
+    return [
+        *map(str, objects),
+        "-shared",
+        "-fopenmp",
+        "-o",
+        str(output),
+        f"-L{torch_lib}",
+        "-lc10",
+        "-ltorch_cpu",
+        f"-Wl,-rpath,{torch_lib}",
+    ]
+
+
+def library_path(cache_dir: str | None, compiler: str) -> Path:
+    """Where the build for this source, CPU, torch and compiler lives."""
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, timeout=30
+    ).stdout.splitlines()[:1]
+    key = hashlib.sha256()
+    files = [path.read_bytes() for path in (*SOURCES, *HEADERS)]
+    for part in (*files, _cpu_identity(), torch.__version__, version):
+        key.update(repr(part).encode())
+    return cache_root(cache_dir) / "native" / f"ladle_native-{key.hexdigest()[:16]}.so"
+
+
+def _build(compiler: str, output: Path) -> None:
+    """Compile every source at once (one process each), then link; atomic for the target."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: workers starting together never load half a file.
+    with tempfile.TemporaryDirectory(dir=output.parent) as tmp:
+        objects = [Path(tmp) / f"{source.stem}.o" for source in SOURCES]
+        compiles = [
+            subprocess.Popen(
+                [compiler, *_flags(), "-c", str(source), "-o", str(obj)],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for source, obj in zip(SOURCES, objects, strict=True)
+        ]
+        errors = [p.communicate(timeout=BUILD_TIMEOUT_S)[1] for p in compiles]
+        failed = [e for p, e in zip(compiles, errors, strict=True) if p.returncode != 0]
+        if failed:
+            raise RuntimeError(f"{compiler} failed: {failed[0].strip()[-2000:]}")
+        partial = Path(tmp) / output.name
+        linked = subprocess.run(
+            [compiler, *_link(objects, partial)],
+            capture_output=True,
+            text=True,
+            timeout=BUILD_TIMEOUT_S,
+        )
+        if linked.returncode != 0:
+            raise RuntimeError(f"linking failed: {linked.stderr.strip()[-2000:]}")
+        partial.replace(output)
+
+
+def load(cache_dir: str | None = None) -> bool:
+    """Build (once per machine) and load the native ops; False, with the reason logged, if not."""
+    if "loaded" in _state:
+        return bool(_state["loaded"])
+    loaded, reason = False, ""
+    compiler = _compiler()
+    if os.uname().machine not in ("x86_64", "AMD64"):
+        reason = f"no native kernels for {os.uname().machine}"
+    elif compiler is None:
+        reason = "no C++ compiler (g++) on PATH"
+    else:
+        try:
+            path = library_path(cache_dir, compiler)
+            built = not path.exists()
+            if built:
+                _build(compiler, path)
+            torch.ops.load_library(str(path))
+            loaded = bool(torch.ops.ladle_native.available())
+            reason = "" if loaded else "this CPU has no AVX512-BF16"
+            logger.info("native kernels %s %s", "built at" if built else "loaded from", path)
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            reason = f"build or load failed: {exc}"
+    _state.update(loaded=loaded, reason=reason)
+    if not loaded:
+        logger.info("native kernels not used: %s", reason)
+    return loaded
+
+
+def configure(enabled: bool, cache_dir: str | None = None) -> bool:
+    """Use the native kernels from now on (loading them first), or stop using them."""
+    _state["enabled"] = enabled and load(cache_dir)
+    return bool(_state["enabled"])
+
+
+def loaded() -> bool:
+    """Whether the native kernels are loaded and in use (`configure`) in this process."""
+    return bool(_state.get("loaded")) and bool(_state.get("enabled", True))
+
+
+def status() -> str:
+    """In one phrase, for logs: loaded, not tried, or why not."""
+    if "loaded" not in _state:
+        return "not tried"
+    return "loaded" if _state["loaded"] else str(_state["reason"])
+
+
+def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [N/16, K/2, 16, 2]: the layout `ladle_native.gemm_bf16` streams."""
+    n, k = weight.shape
+    return weight.reshape(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def packable(weight: torch.Tensor) -> bool:
+    n, k = weight.shape
+    return weight.dtype == torch.bfloat16 and n % 16 == 0 and k % 2 == 0
+
+
+def decode_supported(head_dim: int, group: int) -> bool:
+    """Shapes `ladle_native.paged_decode_bf16` handles (head_dim, query heads per KV head)."""
+    return head_dim in (32, 64, 96, 128, 192, 256) and 1 <= group <= 16
+
+
+def amx_usable(out_features: int, in_features: int) -> bool:
+    """Whether `gemm_bf16(..., amx=True)` takes the AMX path for this weight shape here."""
+    return loaded() and bool(torch.ops.ladle_native.amx_usable(out_features, in_features))

@@ -1,0 +1,238 @@
+// The small ops between a decoder layer's matmuls, fused, for bf16 activations on CPU.
+//
+// Eagerly, a layer's norms, residual adds, rotary and SiLU-mul are ~25 aten calls, each a
+// few microseconds of dispatch plus Python for a one-row step: with the matmuls' own
+// overhead, about 15 of a 35 ms SmolLM2 decode step on a 2-core Xeon (issue 9). Each op here
+// is one call and one pass over its rows. Every intermediate is rounded to bf16 where the
+// eager bf16 code rounds it (worker/layers/{norm,rotary,activation}.py), so results match
+// eager's up to the order of the RMS sum.
+//
+//   rms_norm_bf16(x, w, eps)            w * bf16(x * rsqrt(mean(x^2) + eps))
+//   add_rms_norm_bf16(x, res, w, eps)   (rms_norm(x + res), x + res): the residual stream
+//   silu_mul_bf16(x)                    silu(x[:, :n]) * x[:, n:]
+//   rotary_bf16_(x, positions, cos, sin, heads)   in place on the first `heads` heads of
+//                                        x [T, heads..., D] (HF's rotate-half; sin's first
+//                                        half negated, as RotaryEmbedding stores it)
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include "vec_bf16.h"
+
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+
+namespace {
+
+// Rows per thread below which a pass stays on one thread (an OpenMP fork costs more).
+constexpr int64_t kGrainElements = 1 << 15;
+
+int64_t grain_rows(int64_t row_elements) {
+  return row_elements > 0 ? (kGrainElements + row_elements - 1) / row_elements : 1;
+}
+
+void check_rows(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, name,
+              " must be bf16 [rows, features] with contiguous rows");
+}
+
+#if defined(__AVX512BF16__)
+
+using namespace ladle;
+
+// One row: out = w * bf16(x * rstd); x already summed (x + residual, rounded) by the caller.
+void norm_row(const uint16_t* x, const uint16_t* w, float eps, int64_t n, uint16_t* out) {
+  __m512 sq = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = bf16_to_f32(x + i);
+    sq = _mm512_fmadd_ps(v, v, sq);
+  }
+  if (i < n) {
+    const __m512 v = bf16_to_f32_masked(x + i, tail_mask(n - i));
+    sq = _mm512_fmadd_ps(v, v, sq);
+  }
+  const __m512 rstd =
+      _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(sq) / static_cast<float>(n) + eps));
+  for (i = 0; i + 16 <= n; i += 16)
+    store_bf16(out + i, _mm512_mul_ps(bf16_to_f32(w + i),
+                                      round_bf16(_mm512_mul_ps(bf16_to_f32(x + i), rstd))));
+  if (i < n) {
+    const __mmask16 m = tail_mask(n - i);
+    store_bf16_masked(out + i,
+                      _mm512_mul_ps(bf16_to_f32_masked(w + i, m),
+                                    round_bf16(_mm512_mul_ps(bf16_to_f32_masked(x + i, m), rstd))),
+                      m);
+  }
+}
+
+// sum = bf16(x + res), the next residual.
+void add_row(const uint16_t* x, const uint16_t* res, int64_t n, uint16_t* sum) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    store_bf16(sum + i, _mm512_add_ps(bf16_to_f32(x + i), bf16_to_f32(res + i)));
+  if (i < n) {
+    const __mmask16 m = tail_mask(n - i);
+    store_bf16_masked(sum + i,
+                      _mm512_add_ps(bf16_to_f32_masked(x + i, m), bf16_to_f32_masked(res + i, m)),
+                      m);
+  }
+}
+
+inline __m512 silu_mul(__m512 gate, __m512 up) {
+  // bf16(silu(gate)) * up, as F.silu(gate) * up in bf16
+  const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gate));
+  const __m512 silu = round_bf16(_mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+  return _mm512_mul_ps(silu, up);
+}
+
+// One head, in place: x1' = bf16(bf16(x1 c1) + bf16(x2 s1)), x2' = bf16(bf16(x2 c2) + bf16(x1 s2)).
+void rotate_head(uint16_t* x, const uint16_t* c, const uint16_t* s, int64_t half) {
+  for (int64_t i = 0; i < half; i += 16) {
+    const __mmask16 m = half - i >= 16 ? static_cast<__mmask16>(0xFFFF) : tail_mask(half - i);
+    const __m512 x1 = bf16_to_f32_masked(x + i, m), x2 = bf16_to_f32_masked(x + half + i, m);
+    const __m512 c1 = bf16_to_f32_masked(c + i, m), c2 = bf16_to_f32_masked(c + half + i, m);
+    const __m512 s1 = bf16_to_f32_masked(s + i, m), s2 = bf16_to_f32_masked(s + half + i, m);
+    const __m512 y1 = _mm512_add_ps(round_bf16(_mm512_mul_ps(x1, c1)),
+                                    round_bf16(_mm512_mul_ps(x2, s1)));
+    const __m512 y2 = _mm512_add_ps(round_bf16(_mm512_mul_ps(x2, c2)),
+                                    round_bf16(_mm512_mul_ps(x1, s2)));
+    store_bf16_masked(x + i, y1, m);
+    store_bf16_masked(x + half + i, y2, m);
+  }
+}
+
+#endif  // __AVX512BF16__
+
+const uint16_t* bits(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); }
+uint16_t* bits_mut(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); }
+
+void check_weight(const at::Tensor& w, int64_t n) {
+  TORCH_CHECK(w.dim() == 1 && w.numel() == n && w.scalar_type() == at::kBFloat16 &&
+                  w.is_contiguous(),
+              "weight must be a contiguous bf16 vector of ", n);
+}
+
+at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  const int64_t rows = x.size(0), n = x.size(1);
+  check_weight(weight, n);
+  at::Tensor out = at::empty({rows, n}, x.options());
+#if defined(__AVX512BF16__)
+  const uint16_t *xp = bits(x), *wp = bits(weight);
+  uint16_t* op = bits_mut(out);
+  const int64_t ldx = x.stride(0);
+  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      norm_row(xp + r * ldx, wp, static_cast<float>(eps), n, op + r * n);
+  });
+#else
+  TORCH_CHECK(false, "ladle_native: built without AVX512-BF16");
+#endif
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_bf16(const at::Tensor& x, const at::Tensor& residual,
+                                                     const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  check_rows(residual, "residual");
+  const int64_t rows = x.size(0), n = x.size(1);
+  TORCH_CHECK(residual.size(0) == rows && residual.size(1) == n, "x and residual differ in shape");
+  check_weight(weight, n);
+  at::Tensor out = at::empty({rows, n}, x.options());
+  at::Tensor sum = at::empty({rows, n}, x.options());
+#if defined(__AVX512BF16__)
+  const uint16_t *xp = bits(x), *rp = bits(residual), *wp = bits(weight);
+  uint16_t *op = bits_mut(out), *sp = bits_mut(sum);
+  const int64_t ldx = x.stride(0), ldr = residual.stride(0);
+  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      add_row(xp + r * ldx, rp + r * ldr, n, sp + r * n);
+      norm_row(sp + r * n, wp, static_cast<float>(eps), n, op + r * n);
+    }
+  });
+#else
+  TORCH_CHECK(false, "ladle_native: built without AVX512-BF16");
+#endif
+  return {out, sum};
+}
+
+at::Tensor silu_mul_bf16(const at::Tensor& x) {
+  check_rows(x, "x");
+  const int64_t rows = x.size(0), n = x.size(1) / 2;
+  TORCH_CHECK(x.size(1) % 2 == 0, "x must hold [gate | up]");
+  at::Tensor out = at::empty({rows, n}, x.options());
+#if defined(__AVX512BF16__)
+  const uint16_t* xp = bits(x);
+  uint16_t* op = bits_mut(out);
+  const int64_t ldx = x.stride(0);
+  at::parallel_for(0, rows, grain_rows(2 * n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const uint16_t *gate = xp + r * ldx, *up = gate + n;
+      uint16_t* dst = op + r * n;
+      int64_t i = 0;
+      for (; i + 16 <= n; i += 16)
+        store_bf16(dst + i, silu_mul(bf16_to_f32(gate + i), bf16_to_f32(up + i)));
+      if (i < n) {
+        const __mmask16 m = tail_mask(n - i);
+        store_bf16_masked(
+            dst + i, silu_mul(bf16_to_f32_masked(gate + i, m), bf16_to_f32_masked(up + i, m)), m);
+      }
+    }
+  });
+#else
+  TORCH_CHECK(false, "ladle_native: built without AVX512-BF16");
+#endif
+  return out;
+}
+
+void rotary_bf16_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
+                  const at::Tensor& sin, int64_t heads) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kBFloat16 && x.stride(2) == 1 &&
+                  x.stride(1) == x.size(2),
+              "x must be bf16 [tokens, heads, head_dim] with contiguous heads");
+  const int64_t T = x.size(0), D = x.size(2);
+  TORCH_CHECK(heads <= x.size(1) && D % 2 == 0, "bad head count or odd head_dim");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == D && cos.is_contiguous() &&
+                  cos.scalar_type() == at::kBFloat16 && sin.sizes() == cos.sizes() &&
+                  sin.is_contiguous() && sin.scalar_type() == at::kBFloat16,
+              "cos and sin must be contiguous bf16 [positions, head_dim]");
+  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == T &&
+                  positions.scalar_type() == at::kLong,
+              "one int64 position per token");
+  const at::Tensor pc = positions.contiguous();
+  const int64_t* pp = pc.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(pp[t] >= 0 && pp[t] < cos.size(0), "position ", pp[t], " beyond the cache");
+#if defined(__AVX512BF16__)
+  uint16_t* xp = bits_mut(x);
+  const uint16_t *cp = bits(cos), *sp = bits(sin);
+  const int64_t ldx = x.stride(0);
+  at::parallel_for(0, T, grain_rows(heads * D), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t h = 0; h < heads; ++h)
+        rotate_head(xp + t * ldx + h * D, cp + pp[t] * D, sp + pp[t] * D, D / 2);
+  });
+#else
+  TORCH_CHECK(false, "ladle_native: built without AVX512-BF16");
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(ladle_native, m) {
+  m.def("rms_norm_bf16(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm_bf16(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("silu_mul_bf16(Tensor x) -> Tensor");
+  m.def("rotary_bf16_(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin, int heads) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(ladle_native, CPU, m) {
+  m.impl("rms_norm_bf16", &rms_norm_bf16);
+  m.impl("add_rms_norm_bf16", &add_rms_norm_bf16);
+  m.impl("silu_mul_bf16", &silu_mul_bf16);
+  m.impl("rotary_bf16_", &rotary_bf16_);
+}
