@@ -69,6 +69,42 @@ def test_unpackable_shapes_are_not_offered():
     assert build_kernel("native", torch.randn(64, 32), None) is None  # float32 weight
 
 
+@pytest.mark.parametrize("out_features,in_features", [(64, 32), (960, 576), (208, 1536)])
+@pytest.mark.parametrize("amx", [False, True])
+def test_int4_matches_the_dequantized_weight(out_features, in_features, amx):
+    from worker.layers.quant import Int4Kernel, quantize_int4
+
+    weight = quantize_int4(torch.randn(out_features, in_features))
+    kernel = Int4Kernel(weight, None)
+    assert kernel.name == "int4-native" and kernel.native_packed is not None
+    kernel.amx = amx and native.amx_usable(out_features, in_features)
+    # what both int4 kernels compute with: bf16 scales and zeros, w = (q - 8) s + z
+    scales = weight.scales.bfloat16().float().repeat_interleave(32, 1)
+    zeros = (weight.mins + 8 * weight.scales).bfloat16().float().repeat_interleave(32, 1)
+    dequantized = (weight.values.float() - 8) * scales + zeros
+    for rows in (1, 2, 7, 16, 17, 33):
+        x = _bf16(rows, in_features, seed=rows)
+        expected = x.float() @ dequantized.T
+        # one bf16 rounding of the output (and of the sums' order) at the outputs' scale
+        atol = 2**-7 * float(expected.abs().max())
+        torch.testing.assert_close(kernel(x).float(), expected, rtol=2**-7, atol=atol)
+
+
+def test_int4_without_native_uses_torch_kernel():
+    from worker.layers.quant import Int4Kernel, quantize_int4
+
+    weight = quantize_int4(torch.randn(64, 64))
+    native.configure(False)
+    try:
+        kernel = Int4Kernel(weight, None)
+    finally:
+        native.configure(True)
+    assert kernel.name == "int4" and kernel.native_packed is None
+    x = _bf16(3, 64)
+    native_kernel = Int4Kernel(weight, None)
+    torch.testing.assert_close(kernel(x).float(), native_kernel(x).float(), rtol=0.02, atol=0.05)
+
+
 def _decode_case(rows: int, heads: int, kv_heads: int, head_dim: int, seed: int):
     block_size, num_blocks = 16, 64
     rng = random.Random(seed)

@@ -251,17 +251,31 @@ def _expected_weight(hf: str, floats: dict[str, torch.Tensor], mode: str) -> tor
 # ---- engine ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode,native_kernels", [("int8", True), ("int4", False), ("int4", True)])
 def test_quantized_engine_end_to_end(
-    mode: str, tiny_model_dirs: dict, engines: list[LLMEngine]
+    mode: str, native_kernels: bool, tiny_model_dirs: dict, engines: list[LLMEngine]
 ) -> None:
-    """A mixed batch generates with quantized weights, each request as it would alone."""
+    """A mixed batch generates with quantized weights.
+
+    torch's kernels give each request exactly what it gets alone. Ladle's native int4 kernel
+    (where it loads) computes one row on another path than several, summing in another order,
+    so a batch may tip a near tie the other way: there, each request's output is checked to
+    be reproducible rather than batch-invariant.
+    """
     prompts = random_prompts(5, [3, 17, 40, 9, 64], seed=3)
-    engine = make_engine(tiny_model_dirs["qwen2"], quantization=mode)
+    engine = make_engine(tiny_model_dirs["qwen2"], quantization=mode, native_kernels=native_kernels)
     engines.append(engine)
     assert engine.executor.loaded.quantization == mode
     llm = LLM(engine=engine)
     batched = token_ids(llm.generate(prompts, GREEDY))
     alone = [token_ids(llm.generate([p], GREEDY))[0] for p in prompts]
-    assert batched == alone
     assert all(len(ids) == GREEDY.max_tokens for ids in batched)
+    kernels = {
+        module.quantized.name
+        for module in engine.executor.loaded.model.modules()
+        if getattr(module, "quantized", None) is not None
+    }
+    if kernels == {"int4-native"}:
+        assert alone == [token_ids(llm.generate([p], GREEDY))[0] for p in prompts]
+    else:
+        assert batched == alone

@@ -175,6 +175,9 @@ def configure_threads(num_threads: int | None) -> None:
 
 def build_executor(config: EngineConfig) -> TorchExecutor:
     configure_threads(config.num_threads)
+    # before loading: weight-only int4 packs its weights for the native kernel at load
+    on_cpu = config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available())
+    native.configure(config.native_kernels and on_cpu, config.cache_dir)
     started = time.perf_counter()
     loaded = load_model(
         config.model,

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from worker.layers import native
+
 QUANTIZATION_MODES = ("none", "int8", "int4")
 # GGUF's Q4_0/Q4_1 block size; float weights are quantized with it too (finer groups, better
 # accuracy; the kernel's speed barely depends on it at these shapes).
@@ -202,24 +204,42 @@ class Int8Kernel(WeightOnlyKernel):
 
 
 class Int4Kernel(WeightOnlyKernel):
-    """Group-wise int4 W (`aten._weight_int4pack_mm_for_cpu`)."""
+    """Group-wise int4 W: Ladle's native kernel where it loaded (groups of 32, bf16 compute),
+    else `aten._weight_int4pack_mm_for_cpu`. Both hold bf16 scales and zeros and compute
+    with bf16 activations: the same weights, up to the order of the sums.
+
+    The native one streams nibbles straight into bf16 dot products for one row (one decode
+    token of SmolLM2 on a 2-vCPU Xeon: 20.2 -> see docs/benchmarks.md) and dequantizes four
+    blocks at a time into the bf16 matmul (AMX where present) for more rows."""
 
     name = "int4"
+    native_packed: torch.Tensor | None = None
 
     def pack(self, weight: QuantizedTensor) -> None:
         assert weight.mins is not None
         self.group_size = weight.group_size
         if self.group_size not in INT4_GROUP_SIZES:
             raise ValueError(f"int4 kernel needs a group size in {INT4_GROUP_SIZES}")
+        # zero = the value at q = 8
+        zeros = weight.mins + 8 * weight.scales
+        n, k = weight.shape
+        if self.compute_dtype == torch.bfloat16 and native.int4_packable(n, k, self.group_size):
+            self.native_packed = native.pack_int4(weight.values, weight.scales, zeros)
+            self.amx = native.amx_usable(n, k)
+            self.name = "int4-native"
+            return
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
             weight.values.to(torch.int32).contiguous(), 1
         )
-        # [K / group, N, 2]: scale and zero of every group; zero = value at q = 8.
-        zeros = weight.mins + 8 * weight.scales
+        # [K / group, N, 2]: scale and zero of every group
         pairs = torch.stack([weight.scales, zeros], dim=-1).transpose(0, 1)
         self.scales_and_zeros = pairs.to(self.compute_dtype).contiguous()
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native_packed is not None:
+            return torch.ops.ladle_native.gemm_int4(
+                x, self.native_packed, self.out_features, None, self.amx
+            )
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x, self.packed, self.group_size, self.scales_and_zeros
         )
