@@ -56,7 +56,7 @@ class TorchExecutor:
         self.dtype = str(loaded.dtype).removeprefix("torch.")
         self.num_threads = torch.get_num_threads()
         self.native_kernels = native.configure(
-            config.native_kernels and loaded.device.type == "cpu", config.cache_dir
+            _wants_native(config, loaded.device.type, loaded.dtype), config.cache_dir
         )
         self.kernel_plan: KernelPlan = choose_kernels(
             loaded.model,
@@ -162,6 +162,13 @@ def _num_blocks(config: EngineConfig, loaded: LoadedModel, bytes_per_block: int)
     return int(num_blocks)
 
 
+def _wants_native(config: EngineConfig, device: str, dtype: torch.dtype) -> bool:
+    """Ladle's native kernels serve bf16 compute on CPU: a bf16 model, or int4 weights (bf16
+    activations). A float32 model never builds them (exactness runs start in seconds)."""
+    serves = dtype == torch.bfloat16 or config.quantization == "int4"
+    return config.native_kernels and device in ("cpu", "auto") and serves
+
+
 def configure_threads(num_threads: int | None) -> None:
     """One intra-op thread per core present (affinity-aware), unless configured."""
     if num_threads is None:
@@ -176,8 +183,9 @@ def configure_threads(num_threads: int | None) -> None:
 def build_executor(config: EngineConfig) -> TorchExecutor:
     configure_threads(config.num_threads)
     # before loading: weight-only int4 packs its weights for the native kernel at load
-    on_cpu = config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available())
-    native.configure(config.native_kernels and on_cpu, config.cache_dir)
+    device = "cuda" if config.device == "auto" and torch.cuda.is_available() else config.device
+    dtype = torch.float32 if config.dtype == "float32" else torch.bfloat16  # auto: bf16 or none
+    native.configure(_wants_native(config, device, dtype), config.cache_dir)
     started = time.perf_counter()
     loaded = load_model(
         config.model,
