@@ -34,6 +34,12 @@ LLAMACPP_CMAKE_ARGS = (  # the library only: its tools and server took an hour m
     "-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF "
     "-DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF"
 )
+# Where llama.cpp's own AMX matmul crashes (SIGSEGV in ggml_backend_amx_mul_mat, 0.3.36 on a
+# 2-vCPU KVM Xeon, 2026-12-01), it is measured as built for the same CPU without AMX.
+_NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+LLAMACPP_NO_AMX_CMAKE_ARGS = (
+    f"{LLAMACPP_CMAKE_ARGS} -DCMAKE_C_FLAGS='{_NO_AMX}' -DCMAKE_CXX_FLAGS='{_NO_AMX}'"
+)
 
 
 class LlamaCppUnavailable(RuntimeError):
@@ -53,7 +59,9 @@ def _run(argv: list[str], timeout_s: float, env: dict[str, str] | None = None) -
     return done.stdout
 
 
-def ensure_llamacpp(venv: Path, install_timeout_s: float) -> str:
+def ensure_llamacpp(
+    venv: Path, install_timeout_s: float, cmake_args: str = LLAMACPP_CMAKE_ARGS
+) -> str:
     """Create the venv and build llama-cpp-python (plus matplotlib) unless done; its version."""
     python = str(venv / "bin" / "python")
     if not Path(python).exists():
@@ -61,8 +69,9 @@ def ensure_llamacpp(venv: Path, install_timeout_s: float) -> str:
     pip = [python, "-m", "pip", "install", "--progress-bar", "off"]
     if subprocess.run([python, "-c", "import llama_cpp"], capture_output=True).returncode:
         print("pip install llama-cpp-python (compiles llama.cpp: tens of minutes)", flush=True)
-        env = dict(os.environ, CMAKE_ARGS=LLAMACPP_CMAKE_ARGS, CMAKE_BUILD_PARALLEL_LEVEL="2")
-        _run(pip + ["llama-cpp-python"], install_timeout_s, env)
+        env = dict(os.environ, CMAKE_ARGS=cmake_args, CMAKE_BUILD_PARALLEL_LEVEL="2")
+        # --no-cache-dir: a wheel built with other CMAKE_ARGS must not be reused
+        _run(pip + ["--no-cache-dir", "llama-cpp-python"], install_timeout_s, env)
     if subprocess.run([python, "-c", "import matplotlib"], capture_output=True).returncode:
         _run(pip + ["matplotlib"], 600)  # for the plot only
     return _run([python, "-c", "import llama_cpp; print(llama_cpp.__version__)"], 60).strip()
@@ -163,8 +172,7 @@ def measure_all(args: argparse.Namespace) -> dict:
         print(report["rows"][-1], flush=True)
     if not args.no_llamacpp:
         try:
-            version = ensure_llamacpp(Path(args.venv), args.install_timeout)
-            rate = llamacpp_decode(Path(args.venv), gguf, args.threads, args.tokens, prompt)
+            version, rate = _llamacpp(args, gguf, prompt, report)
             report["rows"].append(
                 {
                     "engine": f"llama.cpp {version}",
@@ -184,6 +192,28 @@ def measure_all(args: argparse.Namespace) -> dict:
     }
     report["load_after"] = os.getloadavg()
     return report
+
+
+def _llamacpp(
+    args: argparse.Namespace, gguf: Path, prompt: list[int], report: dict
+) -> tuple[str, float]:
+    """llama.cpp's version and decode rate; its AVX-512 build where its AMX path crashes."""
+    venv = Path(args.venv)
+    version = ensure_llamacpp(venv, args.install_timeout)
+    try:
+        return version, llamacpp_decode(venv, gguf, args.threads, args.tokens, prompt)
+    except LlamaCppUnavailable as exc:
+        if "(-11)" not in str(exc) or "amx_tile" not in report["cpu"]["flags"]:
+            raise
+        report["llamacpp_note"] = (
+            "llama.cpp's native build crashed here (SIGSEGV, its AMX matmul); measured its "
+            f"build for this CPU without AMX ({LLAMACPP_NO_AMX_CMAKE_ARGS})"
+        )
+        print(report["llamacpp_note"], flush=True)
+        venv = venv.with_name(venv.name.replace("-venv", "") + "-noamx-venv")
+        version = ensure_llamacpp(venv, args.install_timeout, LLAMACPP_NO_AMX_CMAKE_ARGS)
+        rate = llamacpp_decode(venv, gguf, args.threads, args.tokens, prompt)
+        return f"{version} (no AMX)", rate
 
 
 def report_markdown(report: dict) -> str:
@@ -218,6 +248,8 @@ def report_markdown(report: dict) -> str:
         "",
         f"lscpu flags: `{report['cpu']['flags']}`",
     ]
+    if "llamacpp_note" in report:
+        lines += ["", report["llamacpp_note"]]
     if "llamacpp_unavailable" in report:
         lines += ["", f"llama.cpp not measured: {report['llamacpp_unavailable']}"]
     return "\n".join(lines)
