@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from tests.engine.conftest import cpu_only
 from tests.engine.tiny_models import tiny_model_dir
+from worker.engine import autotune
 from worker.engine.autotune import (
     KernelPlan,
     buckets_for,
@@ -60,7 +61,8 @@ def test_measured_plan_covers_every_group_and_bucket(model, tmp_path) -> None:
             torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
 
 
-def test_plan_is_cached_per_machine_and_model(model, tmp_path) -> None:
+def test_plan_is_cached_per_machine_and_model(model, tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(autotune.os, "getloadavg", lambda: (0.2, 0.2, 0.2))  # an idle machine
     first = choose_kernels(model, "auto", max_num_seqs=4, max_threads=1, cache_dir=str(tmp_path))
     path = plan_cache_path(model, buckets_for(4), 1, str(tmp_path))
     assert path.exists()
@@ -68,6 +70,17 @@ def test_plan_is_cached_per_machine_and_model(model, tmp_path) -> None:
     assert again.source == "cache"
     assert (again.kernels, again.threads) == (first.kernels, first.threads)
     assert plan_cache_path(model, buckets_for(4), 2, str(tmp_path)) != path
+
+
+def test_plan_timed_under_load_is_used_but_not_cached(model, tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(autotune.os, "getloadavg", lambda: (3.5, 3.0, 2.0))  # busy 2 cores
+    plan = choose_kernels(model, "auto", max_num_seqs=4, max_threads=2, cache_dir=str(tmp_path))
+    assert plan.source == "measured" and plan.load == 3.5
+    assert not plan_cache_path(model, buckets_for(4), 2, str(tmp_path)).exists()
+    monkeypatch.setattr(autotune.os, "getloadavg", lambda: (0.5, 0.5, 0.5))
+    again = choose_kernels(model, "auto", max_num_seqs=4, max_threads=2, cache_dir=str(tmp_path))
+    assert again.source == "measured"  # timed again, and now kept
+    assert plan_cache_path(model, buckets_for(4), 2, str(tmp_path)).exists()
 
 
 def test_setting_overrides_the_measurement(model, tmp_path) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import platform
 import time
 from dataclasses import asdict, dataclass, field
@@ -44,6 +45,7 @@ class KernelPlan:
     threads: dict[str, int] = field(default_factory=dict)  # decode bucket -> threads
     source: str = "measured"  # measured | cache | setting
     seconds: float = 0.0
+    load: float = 0.0  # 1-minute load average when the timing started
 
     def threads_for(self, rows: int) -> int | None:
         """The measured thread count for a decode step of `rows` rows (None: no opinion)."""
@@ -241,7 +243,17 @@ def _cached_or_measured(
         return plan
     except (OSError, ValueError, TypeError):
         pass
+    load = os.getloadavg()[0]
     plan = measure_plan(model, buckets, max_threads)
+    plan.load = load
+    if load >= max_threads + 1:
+        # Timings taken while other work held the cores say little about this machine (a
+        # plan timed during a build chose plain matmuls on one thread where it idle picks
+        # the native kernels on two): use it now, time again at the next start.
+        logger.warning(
+            "kernel plan timed at load %.1f on %d threads: used, not cached", load, max_threads
+        )
+        return plan
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(asdict(plan), indent=1))
