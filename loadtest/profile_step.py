@@ -3,7 +3,7 @@
     .venv/bin/python -m loadtest.profile_step [--dtype auto] [--threads N] [--batch 1 64]
         [--decode-threads N] [--context 128] [--steps 40] [--compile auto|on|off]
         [--linear-kernel auto|NAME]
-        [--quantization none|int8|int4] [--ops] [--cprofile] [--json OUT]
+        [--quantization none|int8|int4] [--native on|off] [--ops] [--cprofile] [--json OUT]
 
 For each batch size B: B requests of `context` random token ids are prefilled, then the
 engine decodes `steps` steps with all B running. Reported per step (medians):
@@ -176,6 +176,9 @@ def main() -> None:
     parser.add_argument("--compile", default="auto", choices=["auto", "on", "off"])
     parser.add_argument("--linear-kernel", default="auto")
     parser.add_argument("--quantization", default="none")
+    parser.add_argument(
+        "--native", default="on", choices=["on", "off"], help="Ladle's native CPU kernels"
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
@@ -191,6 +194,7 @@ def main() -> None:
         compile=args.compile,
         linear_kernel=args.linear_kernel,
         quantization=args.quantization,
+        native_kernels=args.native == "on",
     )
     started = time.perf_counter()
     engine = LLMEngine(config)

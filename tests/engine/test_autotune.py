@@ -70,6 +70,10 @@ def test_plan_is_cached_per_machine_and_model(model, tmp_path, monkeypatch) -> N
     assert again.source == "cache"
     assert (again.kernels, again.threads) == (first.kernels, first.threads)
     assert plan_cache_path(model, buckets_for(4), 2, str(tmp_path)) != path
+    # a plan naming native kernels must not serve a process without them, nor the reverse
+    flipped = not autotune.native.loaded()
+    monkeypatch.setattr(autotune.native, "loaded", lambda: flipped)
+    assert plan_cache_path(model, buckets_for(4), 1, str(tmp_path)) != path
 
 
 def test_plan_timed_under_load_is_used_but_not_cached(model, tmp_path, monkeypatch) -> None:

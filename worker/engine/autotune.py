@@ -28,6 +28,7 @@ from torch import nn
 
 from shared.config import openmp_settings
 from shared.model_files import cache_root
+from worker.layers import native
 from worker.layers.linear import Linear
 from worker.layers.linear_kernels import BucketedKernel, LinearKernel, build_kernel, kernel_names
 
@@ -207,6 +208,8 @@ def plan_cache_path(model: nn.Module, buckets: list[int], max_threads: int, cach
         "groups": sorted(linear_groups(model)),
         "buckets": buckets,
         "kernels": kernel_names(),
+        # a plan naming native kernels is no use to a process that runs without them
+        "native": native.loaded(),
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return cache_root(cache_dir) / "kernels" / f"{digest}.json"
