@@ -435,6 +435,13 @@ void int4_rows(const uint16_t* x, const uint8_t* packed, const float* bias, uint
 
 #endif  // __AVX512BF16__
 
+// The bias as float32 (undefined where there is none), checked against N outputs.
+at::Tensor float_bias(const c10::optional<at::Tensor>& bias, int64_t n) {
+  if (!bias.has_value() || !bias->defined()) return at::Tensor();
+  TORCH_CHECK(bias->numel() == n, "bias must have ", n, " values");
+  return bias->to(at::kFloat).contiguous();
+}
+
 bool available() {
 #if defined(__AVX512BF16__)
   return true;
@@ -453,32 +460,23 @@ at::Tensor gemm_bf16(const at::Tensor& x, const at::Tensor& packed,
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * kRows;
   TORCH_CHECK(packed.size(1) * 2 == K, "x has ", K, " features, the weight ", packed.size(1) * 2);
   const at::Tensor xc = x.contiguous();
-  at::Tensor bias_f;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N, "bias must have ", N, " values");
-    bias_f = bias->to(at::kFloat).contiguous();
-  }
+  const at::Tensor bias_f = float_bias(bias, N);
   at::Tensor y = at::empty({M, N}, x.options());
 #if defined(__AVX512BF16__)
+  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
+  const auto* pp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
   if (amx && M > 1 && amx_usable(N, K)) {
-    gemm_amx(reinterpret_cast<const uint16_t*>(xc.data_ptr()),
-             reinterpret_cast<const uint16_t*>(packed.data_ptr()),
-             bias_f.defined() ? bias_f.data_ptr<float>() : nullptr,
-             reinterpret_cast<uint16_t*>(y.data_ptr()), M, N, K);
+    gemm_amx(xp, pp, bp, yp, M, N, K);
     return y;
   }
 #endif
   if (M == 1)
-    gemv(reinterpret_cast<const uint16_t*>(xc.data_ptr()),
-         reinterpret_cast<const uint16_t*>(packed.data_ptr()),
-         bias_f.defined() ? bias_f.data_ptr<float>() : nullptr,
-         reinterpret_cast<uint16_t*>(y.data_ptr()), N, K);
+    gemv(xp, pp, bp, yp, N, K);
   else if (M > 1)
-    gemm(reinterpret_cast<const uint16_t*>(xc.data_ptr()),
-         reinterpret_cast<const uint16_t*>(packed.data_ptr()),
-         bias_f.defined() ? bias_f.data_ptr<float>() : nullptr,
-         reinterpret_cast<uint16_t*>(y.data_ptr()), M, N, K);
+    gemm(xp, pp, bp, yp, M, N, K);
 #endif
   return y;
 }
@@ -493,11 +491,7 @@ at::Tensor gemm_int4(const at::Tensor& x, const at::Tensor& packed, int64_t out_
                   packed.numel() == (N / kRows) * (K / 32) * 320,
               "packed must be pack_int4's uint8 layout for this shape");
   const at::Tensor xc = x.contiguous();
-  at::Tensor bias_f;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N, "bias must have ", N, " values");
-    bias_f = bias->to(at::kFloat).contiguous();
-  }
+  const at::Tensor bias_f = float_bias(bias, N);
   at::Tensor y = at::empty({M, N}, x.options());
 #if defined(__AVX512BF16__)
   const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
