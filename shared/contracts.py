@@ -287,7 +287,8 @@ class WorkerRecord(_Wire):
     device: str
     dtype: str
     compiled: bool = False  # forward compiled by inductor (LLM_COMPILE)
-    kernels: dict[str, str] = Field(default_factory=dict)  # batch bucket -> kernels, threads
+    # batch bucket -> kernels and threads; "forward" -> native, compiled or eager
+    kernels: dict[str, str] = Field(default_factory=dict)
     status: Literal["starting", "ready", "draining", "unhealthy"] = "ready"
     max_model_len: int
     block_size: int
