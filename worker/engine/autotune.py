@@ -18,10 +18,8 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -187,20 +185,10 @@ def _add_quantized(model: nn.Module, plan: KernelPlan, buckets: list[int]) -> No
             plan.kernels[key] = {str(b): module.quantized.name for b in buckets}
 
 
-def _cpu_model() -> str:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor() or platform.machine()
-    info = dict(line.split(":", 1) for line in lines if ":" in line)
-    flags = {k.strip(): v.strip() for k, v in info.items()}
-    return f"{flags.get('model name', platform.machine())} [{flags.get('flags', '')}]"
-
-
 def plan_cache_path(model: nn.Module, buckets: list[int], max_threads: int, cache_dir: str | None):
     """The cache file for this CPU, torch, threads, OpenMP wait, shapes and candidates."""
     key = {
-        "cpu": _cpu_model(),
+        "cpu": native.cpu_identity(),
         "torch": torch.__version__,
         "threads": max_threads,
         "openmp": openmp_settings(),

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -36,14 +37,15 @@ BUILD_TIMEOUT_S = 600
 _state: dict[str, object] = {}  # "loaded": bool, "reason": str (why not)
 
 
-def _cpu_identity() -> str:
+def cpu_identity() -> str:
+    """ "model name [flags]" of this CPU: what a build or a timing made here is keyed by."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        return os.uname().machine
+        return platform.processor() or platform.machine()
     info = dict(line.split(":", 1) for line in lines if ":" in line)
     fields = {k.strip(): v.strip() for k, v in info.items()}
-    return f"{fields.get('model name', '')} [{fields.get('flags', '')}]"
+    return f"{fields.get('model name', platform.machine())} [{fields.get('flags', '')}]"
 
 
 def _compiler() -> str | None:
@@ -87,7 +89,7 @@ def library_path(cache_dir: str | None, compiler: str) -> Path:
     ).stdout.splitlines()[:1]
     key = hashlib.sha256()
     files = [path.read_bytes() for path in (*SOURCES, *HEADERS)]
-    for part in (*files, _cpu_identity(), torch.__version__, version):
+    for part in (*files, cpu_identity(), torch.__version__, version):
         key.update(repr(part).encode())
     return cache_root(cache_dir) / "native" / f"ladle_native-{key.hexdigest()[:16]}.so"
 
