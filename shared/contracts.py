@@ -287,6 +287,9 @@ class WorkerRecord(_Wire):
     device: str
     dtype: str
     compiled: bool = False  # forward compiled by inductor (LLM_COMPILE)
+    # batch-invariant kernels in use (LLM_DETERMINISTIC); where asked for but not possible, why
+    deterministic: bool = False
+    deterministic_reason: str = ""
     # batch bucket -> kernels and threads; "forward" -> native, compiled or eager
     kernels: dict[str, str] = Field(default_factory=dict)
     status: Literal["starting", "ready", "draining", "unhealthy"] = "ready"

@@ -134,6 +134,8 @@ class WorkerProcess:
             device=engine.executor.device,
             dtype=engine.executor.dtype,
             compiled=engine.executor.compiled,
+            deterministic=engine.executor.deterministic,
+            deterministic_reason=engine.executor.deterministic_reason,
             kernels=engine.executor.kernels,
             max_model_len=engine.max_model_len,
             block_size=stats.block_size,

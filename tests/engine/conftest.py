@@ -65,9 +65,11 @@ def make_engine(model_dir: Path, **overrides: object) -> LLMEngine:
         max_num_batched_tokens=256,
         num_threads=1,
         # Exactness tests run the eager forward on plain F.linear, never timing-dependent;
-        # the compiled path and the kernel choice have their own tests.
+        # the compiled path, the kernel choice and the batch-invariant mode have their own
+        # tests (test_determinism.py runs the default mode).
         compile="off",
         linear_kernel="plain",
+        deterministic=False,
     )
     for key, value in overrides.items():
         setattr(config, key, value)

@@ -66,18 +66,29 @@ def test_gemm_matches_float32_product(name, out_features, in_features, bias):
 
 def test_unpackable_shapes_are_not_offered():
     assert build_kernel("native", _bf16(65, 32), None) is None  # rows not a multiple of 16
-    assert build_kernel("native", torch.randn(64, 32), None) is None  # float32 weight
+    assert build_kernel("native", _bf16(64, 33), None) is None  # bf16 needs input pairs
+    assert build_kernel("amx", torch.randn(64, 32), None) is None  # AMX is bf16 only
+
+
+@pytest.mark.parametrize("out_features,in_features,bias", [(64, 32, False), (960, 577, True)])
+def test_float32_gemm_matches_float64_product(out_features, in_features, bias):
+    weight = torch.randn(out_features, in_features) * 0.05
+    b = torch.randn(out_features) if bias else None
+    kernel = build_kernel("native", weight, b)
+    assert kernel is not None
+    for rows in (1, 3, 8, 17):
+        x = torch.randn(rows, in_features)
+        expected = x.double() @ weight.double().T + (b.double() if bias else 0)
+        torch.testing.assert_close(kernel(x).double(), expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("out_features,in_features", [(64, 32), (960, 576), (208, 1536)])
-@pytest.mark.parametrize("amx", [False, True])
-def test_int4_matches_the_dequantized_weight(out_features, in_features, amx):
+def test_int4_matches_the_dequantized_weight(out_features, in_features):
     from worker.layers.quant import Int4Kernel, quantize_int4
 
     weight = quantize_int4(torch.randn(out_features, in_features))
     kernel = Int4Kernel(weight, None)
     assert kernel.name == "int4-native" and kernel.native_packed is not None
-    kernel.amx = amx and native.amx_usable(out_features, in_features)
     # what both int4 kernels compute with: bf16 scales and zeros, w = (q - 8) s + z
     scales = weight.scales.bfloat16().float().repeat_interleave(32, 1)
     zeros = (weight.mins + 8 * weight.scales).bfloat16().float().repeat_interleave(32, 1)
@@ -130,7 +141,7 @@ def _decode_case(rows: int, heads: int, kv_heads: int, head_dim: int, seed: int)
 def test_paged_decode_matches_eager_attention(heads, kv_heads, head_dim):
     q, k_cache, v_cache, meta = _decode_case(7, heads, kv_heads, head_dim, seed=head_dim)
     scale = head_dim**-0.5
-    got = torch.ops.ladle_native.paged_decode_bf16(
+    got = torch.ops.ladle_native.paged_attention_rows(
         q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
     )
     # float32 reference over exactly each row's positions
@@ -154,7 +165,7 @@ def test_paged_decode_refuses_a_table_too_short():
     lens = meta.decode_context_lens.clone()
     lens[0] = meta.decode_block_tables.shape[1] * 16 + 1
     with pytest.raises(RuntimeError, match="does not fit its block table"):
-        torch.ops.ladle_native.paged_decode_bf16(
+        torch.ops.ladle_native.paged_attention_rows(
             q, k_cache, v_cache, meta.decode_block_tables, lens, 0.1
         )
 

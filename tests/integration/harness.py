@@ -204,6 +204,8 @@ def start_service(
         "LLM_NUM_THREADS": "1",
         "LLM_COMPILE": "off",  # exact float32 tokens, and a worker that starts in seconds
         "LLM_LINEAR_KERNEL": "plain",
+        # plain kernels are not batch invariant: the mode is tested in test_determinism_service
+        "LLM_DETERMINISTIC": "false",
         "LLM_WORKER_METRICS_PORT": "0",
         "LLM_HEARTBEAT_INTERVAL_S": "0.2",
         "LLM_WORKER_TTL_S": "2",

@@ -37,26 +37,35 @@ def decode_tensors(
     num_rows: int | None = None,
     num_blocks: int | None = None,
     pad_block: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    with_mask: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Block tables [R, max_blocks] and additive key mask [R, 1, max_blocks * bs].
 
-    One row per token: a decode chunk with drafts has a row for each of its positions, all on
-    the same block table, each seeing the keys up to itself. By default R is the number of
-    tokens and max_blocks the longest context's. A CUDA graph asks for
-    fixed sizes instead: rows past the chunks point every block at `pad_block` and attend to
-    its first slot only (no row is all -inf, so no NaN even in padding).
+    One row per token: a chunk with several tokens (drafts, or a prefill attended row by
+    row) has a row for each of its positions, all on the same block table, each seeing the
+    keys up to itself. By default R is the number of tokens and max_blocks the longest
+    context's. A CUDA graph asks for fixed sizes instead: rows past the chunks point every
+    block at `pad_block` and attend to its first slot only (no row is all -inf, so no NaN
+    even in padding). The mask is only for the eager path (`with_mask`).
     """
-    row_tables = [c.block_ids for c in chunks for _ in range(c.num_tokens)]
     context_lens = decode_context_lens(chunks)
-    blocks_used = [cdiv(n, block_size) for n in context_lens]
-    max_blocks = num_blocks or max(blocks_used)
-    num_pad = (num_rows or len(row_tables)) - len(row_tables)
+    max_blocks = num_blocks or max(
+        cdiv(c.start_position + c.num_tokens, block_size) for c in chunks
+    )
     # Padding points at a sequence's first block: any real block, masked out below.
-    rows = [
-        table[:used] + table[:1] * (max_blocks - used)
-        for table, used in zip(row_tables, blocks_used, strict=True)
-    ] + [[pad_block] * max_blocks] * num_pad
-    tables = torch.tensor(rows, dtype=torch.long)
+    per_chunk = [
+        c.block_ids[:max_blocks] + c.block_ids[:1] * (max_blocks - len(c.block_ids[:max_blocks]))
+        for c in chunks
+    ]
+    counts = torch.tensor([c.num_tokens for c in chunks], dtype=torch.long)
+    tables = torch.tensor(per_chunk, dtype=torch.long).reshape(len(chunks), max_blocks)
+    tables = tables.repeat_interleave(counts, dim=0)
+    num_pad = (num_rows or len(context_lens)) - len(context_lens)
+    if num_pad:
+        pad = torch.full((num_pad, max_blocks), pad_block, dtype=torch.long)
+        tables = torch.cat([tables, pad])
+    if not with_mask:
+        return tables, None
     lens = torch.tensor(context_lens + [1] * num_pad, dtype=torch.long)
     padding = torch.arange(max_blocks * block_size)[None, :] >= lens[:, None]
     mask = torch.zeros(padding.shape, dtype=torch.float32).masked_fill_(padding, float("-inf"))
@@ -79,9 +88,13 @@ def _prefill_meta(
 
 
 def build_step_inputs(
-    chunks: list[ScheduledChunk], block_size: int, device: torch.device
+    chunks: list[ScheduledChunk], block_size: int, device: torch.device, row_attention: bool = False
 ) -> StepInputs:
-    """Flat input ids, positions, slot mapping and per-chunk attention metadata."""
+    """Flat input ids, positions, slot mapping and per-chunk attention metadata.
+
+    `row_attention`: every token, prefill ones too, is attended as a row of its own over its
+    sequence's block table (the native kernel), so a row's result cannot depend on how its
+    prompt was chunked or cached. No mask is built then."""
     input_ids: list[int] = []
     positions: list[int] = []
     slot_mapping: list[int] = []
@@ -92,7 +105,7 @@ def build_step_inputs(
     for chunk in chunks:
         start, end = chunk.start_position, chunk.start_position + chunk.num_tokens
         token_start = len(input_ids)
-        if chunk.is_decode and token_start == num_decode:
+        if (row_attention or chunk.is_decode) and token_start == num_decode:
             num_decode += chunk.num_tokens
             num_decode_chunks += 1
         else:
@@ -107,9 +120,9 @@ def build_step_inputs(
     )
     if num_decode:
         decode_chunks = chunks[:num_decode_chunks]
-        tables, mask = decode_tensors(decode_chunks, block_size)
+        tables, mask = decode_tensors(decode_chunks, block_size, with_mask=not row_attention)
         metadata.decode_block_tables = tables.to(device, non_blocking=True)
-        metadata.decode_mask = mask.to(device, non_blocking=True)
+        metadata.decode_mask = None if mask is None else mask.to(device, non_blocking=True)
         metadata.decode_context_lens = _to(decode_context_lens(decode_chunks), device)
     return StepInputs(
         input_ids=_to(input_ids, device),

@@ -7,6 +7,10 @@ than sitting in cache. Decode buckets are timed on 1 thread and on all; the thre
 the smaller total wins for decode-only steps of that bucket (prefill always uses every
 thread). The winners become each layer's `BucketedKernel`; losers are dropped.
 
+Batch invariant plans (`LLM_DETERMINISTIC`, the default) time only the kernels that sum a row
+the same way at every row count, and give each group one of them for every bucket: the one
+whose times, each relative to that bucket's fastest, add up least.
+
 The plan is cached as JSON under `{cache}/kernels/`, keyed by CPU model, flags, torch version,
 thread count, dtype, shapes and candidates, so a restart on the same machine skips the
 timing. `LLM_LINEAR_KERNEL` names one kernel to use everywhere instead (no timing).
@@ -45,6 +49,7 @@ class KernelPlan:
     source: str = "measured"  # measured | cache | setting
     seconds: float = 0.0
     load: float = 0.0  # 1-minute load average when the timing started
+    invariant: bool = False  # one batch-invariant kernel per group for every bucket
 
     def threads_for(self, rows: int) -> int | None:
         """The measured thread count for a decode step of `rows` rows (None: no opinion)."""
@@ -113,13 +118,20 @@ def _time_group(
 
 
 def _measure_group(
-    layers: list[Linear], buckets: list[int], thread_options: list[int], dtype: torch.dtype
+    layers: list[Linear],
+    buckets: list[int],
+    thread_options: list[int],
+    dtype: torch.dtype,
+    invariant: bool,
 ) -> dict[tuple[int, int], dict[str, float]]:
-    """(bucket, threads) -> kernel name -> seconds per pass, for every applicable kernel."""
+    """(bucket, threads) -> kernel name -> seconds per pass, for every applicable kernel
+    (only batch-invariant ones if `invariant`)."""
     results: dict[tuple[int, int], dict[str, float]] = {}
     for name in kernel_names():
         kernels = [build_kernel(name, layer.weight, layer.bias) for layer in layers]
         if any(kernel is None for kernel in kernels):
+            continue
+        if invariant and not all(kernel.batch_invariant for kernel in kernels):  # type: ignore[union-attr]
             continue
         for bucket in buckets:
             x = torch.randn(bucket, layers[0].in_features).to(dtype)
@@ -131,28 +143,49 @@ def _measure_group(
 
 
 @torch.inference_mode()
-def measure_plan(model: nn.Module, buckets: list[int], max_threads: int) -> KernelPlan:
-    """Time every kernel for every group, bucket and thread option; keep the fastest."""
+def measure_plan(
+    model: nn.Module, buckets: list[int], max_threads: int, invariant: bool = False
+) -> KernelPlan:
+    """Time every kernel for every group, bucket and thread option; keep the fastest (per
+    bucket, or, if `invariant`, one batch-invariant kernel per group for all buckets)."""
     started = time.perf_counter()
     dtype = next(model.parameters()).dtype
     thread_options = sorted({1, max_threads})
     times = {
-        group: _measure_group(layers, buckets, thread_options, dtype)
+        group: _measure_group(layers, buckets, thread_options, dtype, invariant)
         for group, layers in linear_groups(model).items()
     }
     torch.set_num_threads(max_threads)
-    plan = KernelPlan(kernels={group: {} for group in times})
+    plan = KernelPlan(kernels={group: {} for group in times}, invariant=invariant)
+    chosen: dict[str, dict[int, dict[str, float]]] = {group: {} for group in times}
     for bucket in buckets:
-        options = [t for t in thread_options if (bucket, t) in next(iter(times.values()))]
+        options = [t for t in thread_options if (bucket, t) in next(iter(times.values()), {})]
         total = {t: sum(min(by[(bucket, t)].values()) for by in times.values()) for t in options}
-        threads = min(total, key=total.__getitem__)
+        threads = min(total, key=total.__getitem__) if total else max_threads
         if bucket < PREFILL_BUCKET:
             plan.threads[str(bucket)] = threads
         for group, by in times.items():
-            seconds = by[(bucket, threads)]
-            plan.kernels[group][str(bucket)] = min(seconds, key=seconds.__getitem__)
+            chosen[group][bucket] = by.get((bucket, threads), {})
+    for group, by_bucket in chosen.items():
+        for bucket, name in _pick(by_bucket, invariant).items():
+            plan.kernels[group][str(bucket)] = name
     plan.seconds = time.perf_counter() - started
     return plan
+
+
+def _pick(by_bucket: dict[int, dict[str, float]], invariant: bool) -> dict[int, str]:
+    """bucket -> kernel: each bucket's fastest, or one kernel for all (least relative time).
+    A group no kernel was timed for (none applies) gets `plain`."""
+    if not all(by_bucket.values()):
+        return {bucket: "plain" for bucket in by_bucket}
+    if not invariant:
+        return {bucket: min(t, key=t.__getitem__) for bucket, t in by_bucket.items()}
+    names = set.intersection(*(set(t) for t in by_bucket.values()))
+    if not names:
+        return {bucket: "plain" for bucket in by_bucket}
+    cost = {n: sum(t[n] / min(t.values()) for t in by_bucket.values()) for n in names}
+    best = min(sorted(cost), key=cost.__getitem__)
+    return {bucket: best for bucket in by_bucket}
 
 
 def fixed_plan(model: nn.Module, name: str, buckets: list[int]) -> KernelPlan:
@@ -160,6 +193,15 @@ def fixed_plan(model: nn.Module, name: str, buckets: list[int]) -> KernelPlan:
     build_kernel(name, torch.zeros(1, 1), None)  # unknown names fail here, early
     groups = linear_groups(model)
     return KernelPlan({g: {str(b): name for b in buckets} for g in groups}, source="setting")
+
+
+def plan_is_invariant(model: nn.Module) -> bool:
+    """Whether every linear now runs one batch-invariant kernel (quantized ones included)."""
+    return all(
+        module.kernel is not None and getattr(module.kernel, "batch_invariant", False)
+        for module in model.modules()
+        if isinstance(module, Linear)
+    )
 
 
 def apply_plan(model: nn.Module, plan: KernelPlan) -> None:
@@ -185,7 +227,13 @@ def _add_quantized(model: nn.Module, plan: KernelPlan, buckets: list[int]) -> No
             plan.kernels[key] = {str(b): module.quantized.name for b in buckets}
 
 
-def plan_cache_path(model: nn.Module, buckets: list[int], max_threads: int, cache_dir: str | None):
+def plan_cache_path(
+    model: nn.Module,
+    buckets: list[int],
+    max_threads: int,
+    cache_dir: str | None,
+    invariant: bool = False,
+):
     """The cache file for this CPU, torch, threads, OpenMP wait, shapes and candidates."""
     key = {
         "cpu": native.cpu_identity(),
@@ -198,6 +246,7 @@ def plan_cache_path(model: nn.Module, buckets: list[int], max_threads: int, cach
         "kernels": kernel_names(),
         # a plan naming native kernels is no use to a process that runs without them
         "native": native.loaded(),
+        "invariant": invariant,
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return cache_root(cache_dir) / "kernels" / f"{digest}.json"
@@ -209,25 +258,33 @@ def choose_kernels(
     max_num_seqs: int,
     max_threads: int,
     cache_dir: str | None = None,
+    invariant: bool = False,
 ) -> KernelPlan:
-    """The plan for `setting` ("auto": measured or cached; else that kernel), applied."""
+    """The plan for `setting` ("auto": measured or cached; else that kernel), applied.
+    `invariant`: batch-invariant kernels only, one per group (`plan.invariant` says whether
+    every linear got one)."""
     buckets = buckets_for(max_num_seqs)
     if setting != "auto":
         plan = fixed_plan(model, setting, buckets)
     elif next(model.parameters()).device.type != "cpu":
         plan = fixed_plan(model, "plain", buckets)
     else:
-        plan = _cached_or_measured(model, buckets, max_threads, cache_dir)
+        plan = _cached_or_measured(model, buckets, max_threads, cache_dir, invariant)
     apply_plan(model, plan)
     _add_quantized(model, plan, buckets)
+    plan.invariant = plan_is_invariant(model)
     logger.info("linear kernels (%s, %.1f s): %s", plan.source, plan.seconds, plan.summary())
     return plan
 
 
 def _cached_or_measured(
-    model: nn.Module, buckets: list[int], max_threads: int, cache_dir: str | None
+    model: nn.Module,
+    buckets: list[int],
+    max_threads: int,
+    cache_dir: str | None,
+    invariant: bool,
 ) -> KernelPlan:
-    path = plan_cache_path(model, buckets, max_threads, cache_dir)
+    path = plan_cache_path(model, buckets, max_threads, cache_dir, invariant)
     try:
         plan = KernelPlan(**json.loads(path.read_text()))
         plan.source = "cache"
@@ -235,7 +292,7 @@ def _cached_or_measured(
     except (OSError, ValueError, TypeError):
         pass
     load = os.getloadavg()[0]
-    plan = measure_plan(model, buckets, max_threads)
+    plan = measure_plan(model, buckets, max_threads, invariant)
     plan.load = load
     if load >= max_threads + 1:
         # Timings taken while other work held the cores say little about this machine (a

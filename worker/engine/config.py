@@ -48,6 +48,7 @@ class EngineConfig:
     compile: str = _setting("compile")
     linear_kernel: str = _setting("linear_kernel")
     native_kernels: bool = _setting("native_kernels")
+    deterministic: bool = _setting("deterministic")
 
     @classmethod
     def from_settings(cls, settings: Settings) -> EngineConfig:

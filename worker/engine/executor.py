@@ -34,6 +34,8 @@ class Executor(Protocol):
     device: str
     dtype: str
     compiled: bool
+    deterministic: bool
+    deterministic_reason: str
     kernels: dict[str, str]
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
@@ -58,12 +60,14 @@ class TorchExecutor:
         self.native_kernels = native.configure(
             _wants_native(config, loaded.device.type, loaded.dtype), config.cache_dir
         )
+        invariant = config.deterministic and loaded.device.type == "cpu" and self.native_kernels
         self.kernel_plan: KernelPlan = choose_kernels(
             loaded.model,
             config.linear_kernel,
             config.max_num_seqs,
             self.num_threads,
             config.cache_dir,
+            invariant=invariant,
         )
         # Decode steps read every weight once for little arithmetic: memory-bound, they may
         # run as fast on fewer cores, leaving the rest to the API and Redis; and which count
@@ -92,8 +96,13 @@ class TorchExecutor:
             # Dynamo guards on the thread count: compile for every count a step may use.
             compile_threads=sorted({self.num_threads, *self._decode_thread_counts()}),
             native_forward=self.native_kernels,
+            row_attention=invariant,
         )
         self.compiled = self.runner.compiled is not None
+        self.deterministic_reason = _not_deterministic(config, self, loaded.device.type)
+        self.deterministic = config.deterministic and not self.deterministic_reason
+        if config.deterministic and self.deterministic_reason:
+            logger.warning("batch-invariant mode not in use: %s", self.deterministic_reason)
         self.kernels = self.kernel_plan.summary()
         self.kernels["forward"] = (
             "native" if self.runner.native_forward else "compiled" if self.compiled else "eager"
@@ -163,10 +172,25 @@ def _num_blocks(config: EngineConfig, loaded: LoadedModel, bytes_per_block: int)
 
 
 def _wants_native(config: EngineConfig, device: str, dtype: torch.dtype) -> bool:
-    """Ladle's native kernels serve bf16 compute on CPU: a bf16 model, or int4 weights (bf16
-    activations). A float32 model never builds them (exactness runs start in seconds)."""
-    serves = dtype == torch.bfloat16 or config.quantization == "int4"
+    """Ladle's native kernels serve bf16 compute on CPU (a bf16 model, or int4 weights on bf16
+    activations), and every dtype where batch invariance is asked for (only they promise it)."""
+    serves = dtype == torch.bfloat16 or config.quantization == "int4" or config.deterministic
     return config.native_kernels and device in ("cpu", "auto") and serves
+
+
+def _not_deterministic(config: EngineConfig, executor: TorchExecutor, device: str) -> str:
+    """Why the engine is not batch invariant although `config.deterministic` asks ("": it is)."""
+    if not config.deterministic:
+        return "LLM_DETERMINISTIC=false"
+    if device != "cpu":
+        return f"no batch-invariant kernels on {device}"
+    if not executor.native_kernels:
+        return f"native kernels not in use ({native.status()})"
+    if not executor.kernel_plan.invariant:
+        return "a linear layer has no batch-invariant kernel (LLM_LINEAR_KERNEL or its shape)"
+    if not executor.runner.row_attention:
+        return "attention shape not served by the native row kernel"
+    return ""
 
 
 def configure_threads(num_threads: int | None) -> None:

@@ -14,6 +14,7 @@ from worker.engine.kv_cache import KVCache, allocate_kv_cache, bind_kv_cache
 from worker.engine.ngram import accept_drafts
 from worker.engine.outputs import ModelRunnerOutput, SampledToken, SchedulerOutput
 from worker.engine.request import Request
+from worker.layers.attention import PagedAttention, rows_supported
 from worker.layers.context import set_attention_metadata
 from worker.models.loader import LoadedModel
 
@@ -52,6 +53,7 @@ class ModelRunner:
         cache_dir: str | None = None,
         compile_threads: list[int] | None = None,
         native_forward: bool = True,
+        row_attention: bool = False,
     ) -> None:
         self.loaded = loaded
         self.model = loaded.model
@@ -71,7 +73,11 @@ class ModelRunner:
         self.native_forward = bool(
             use_native and use_native(native_forward and compile_mode != "on")
         )
-        if self.native_forward:
+        # Every token attended as its own row (batch invariance): where every layer's cache
+        # and heads are served by the native row kernel. Inductor would re-fuse the norms'
+        # sums by shape, so an invariant forward is never compiled.
+        self.row_attention = row_attention and _rows_supported(self.model)
+        if self.native_forward or self.row_attention:
             compile_mode = "off"
         # CPU: the forward as an inductor program (None: eager); warmed up here, off the
         # request path.
@@ -106,7 +112,7 @@ class ModelRunner:
                 if len(sampling) < len(chunks):
                     hidden = hidden[torch.tensor(sampling, dtype=torch.long, device=self.device)]
                 return self.model.compute_logits(hidden)
-        inputs = build_step_inputs(chunks, self.block_size, self.device)
+        inputs = build_step_inputs(chunks, self.block_size, self.device, self.row_attention)
         set_attention_metadata(inputs.metadata)
         try:
             hidden = self.forward(inputs.input_ids, inputs.positions)
@@ -141,3 +147,11 @@ class ModelRunner:
     def release(self, request_ids: list[str]) -> None:
         """Forget per-request sampler state (finished, aborted or preempted requests)."""
         self.sampler.release(request_ids)
+
+
+def _rows_supported(model: torch.nn.Module) -> bool:
+    layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
+    return bool(layers) and all(
+        layer.k_cache is not None and rows_supported(layer.k_cache, layer.num_heads)
+        for layer in layers
+    )

@@ -62,7 +62,7 @@ def paged_attention(
     # [Hkv, num_blocks * block_size, hd]: slot s of every head
     k_slots = k_cache.view(num_kv_heads, -1, head_dim)
     v_slots = v_cache.view(num_kv_heads, -1, head_dim)
-    if _native_bf16(k_cache):
+    if _native(k_cache) and k_cache.dtype == torch.bfloat16:
         torch.ops.ladle_native.write_kv_bf16(k, v, k_cache, v_cache, meta.slot_mapping)
     else:
         k_slots.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
@@ -110,9 +110,20 @@ def _sdpa(
     )
 
 
-def _native_bf16(cache: torch.Tensor) -> bool:
-    """Whether Ladle's native kernels serve this cache (bf16 on a CPU where they loaded)."""
-    return cache.dtype == torch.bfloat16 and cache.device.type == "cpu" and native.loaded()
+def _native(cache: torch.Tensor) -> bool:
+    """Whether Ladle's native kernels serve this cache (bf16 or float32, on a CPU where they
+    loaded)."""
+    return (
+        cache.dtype in (torch.bfloat16, torch.float32)
+        and cache.device.type == "cpu"
+        and native.loaded()
+    )
+
+
+def rows_supported(cache: torch.Tensor, num_heads: int) -> bool:
+    """Whether every row of a step can be attended by the native row kernel for this layer."""
+    group = num_heads // cache.shape[0]
+    return _native(cache) and native.attention_supported(cache.shape[-1], group)
 
 
 def _decode(
@@ -122,12 +133,13 @@ def _decode(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Decode rows against their cached keys: the native kernel where it serves, else eager."""
-    native_shape = native.decode_supported(k_cache.shape[-1], q.shape[1] // k_cache.shape[0])
-    if meta.decode_context_lens is not None and native_shape and _native_bf16(k_cache):
-        return torch.ops.ladle_native.paged_decode_bf16(
+    """Rows against their cached keys: the native kernel where it serves, else eager."""
+    if meta.decode_context_lens is not None and rows_supported(k_cache, q.shape[1]):
+        return torch.ops.ladle_native.paged_attention_rows(
             q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
         )
+    if meta.decode_mask is None:
+        raise RuntimeError("rows without a mask need the native attention kernel")
     return _decode_eager(q, k_cache, v_cache, meta, scale)
 
 

@@ -25,9 +25,13 @@ from worker.layers.handles import resolve
 
 
 class LinearKernel(Protocol):
-    """`x [N, in] -> [N, out]` in x's dtype; `name` says which builder made it."""
+    """`x [N, in] -> [N, out]` in x's dtype; `name` says which builder made it.
+
+    `batch_invariant`: a row's result is bit for bit the same whatever the number of rows
+    and threads (the deterministic mode uses only such kernels, one per layer)."""
 
     name: str
+    batch_invariant: bool
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
 
@@ -58,6 +62,7 @@ class PlainKernel:
     """`F.linear` on the layer's own weight (no extra memory)."""
 
     name = "plain"
+    batch_invariant = False  # oneDNN/MKL choose their blocking by the row count
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.weight, self.bias = weight, bias
@@ -76,6 +81,7 @@ class PrepackedKernel:
     """
 
     name = "prepacked"
+    batch_invariant = False
 
     def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.packed, self.bias = packed, bias
@@ -93,6 +99,7 @@ class Float32Kernel:
     """
 
     name = "float32"
+    batch_invariant = False
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.weight = weight.float()
@@ -123,33 +130,33 @@ def _build_float32(weight: torch.Tensor, bias: torch.Tensor | None) -> LinearKer
     return Float32Kernel(weight, bias)
 
 
-class NativeBf16Kernel:
-    """Ladle's own small-batch bf16 matmul (`worker/layers/native/gemm_bf16.cpp`).
+class NativeKernel:
+    """Ladle's own bf16 or float32 matmul (`worker/layers/native/gemm_{bf16,f32}.cpp`).
 
-    The weight is packed once for AVX512-BF16 dot products and streamed front to back; x's
-    rows share each load. Built only where the native ops loaded (a C++ compiler and a CPU
-    with AVX512-BF16). Accumulates in float32 in its own order, so not bitwise equal to
-    oneDNN's bf16 product; the autotuner offers it where it is faster.
+    The weight is packed once and streamed front to back; x's rows share each load. Each row
+    is summed in one fixed order whatever the row and thread counts (batch invariant). Built
+    only where the native ops loaded (a C++ compiler and a CPU with AVX512-BF16).
     """
 
     name = "native"
+    batch_invariant = True
     amx = False
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.packed = native.pack_bf16(weight)
+        self.packed = native.pack(weight)
         self.bias = bias
-        self.op = torch.ops.ladle_native.gemm_bf16
+        self.is_f32 = weight.dtype == torch.float32
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.op(x, self.packed, self.bias, self.amx)
+        if self.is_f32:
+            return torch.ops.ladle_native.gemm_f32(x, self.packed, self.bias)
+        return torch.ops.ladle_native.gemm_bf16(x, self.packed, self.bias, self.amx)
 
 
-class NativeAmxKernel(NativeBf16Kernel):
-    """The same packed weight through AMX tiles for 2+ rows (Intel CPUs with AMX-BF16).
-
-    One tile multiply covers up to 16 rows, so 16 rows cost about what one does: the weight
-    streams once, four blocks in flight. One row still takes `native`'s AVX-512 path.
-    """
+class NativeAmxKernel(NativeKernel):
+    """The same packed bf16 weight through AMX tiles (Intel CPUs with AMX-BF16), every row
+    count: one tile multiply covers up to 16 rows, so 16 rows cost about what one does.
+    Batch invariant too, in AMX's own order (not bitwise equal to `native`)."""
 
     name = "amx"
     amx = True
@@ -158,11 +165,13 @@ class NativeAmxKernel(NativeBf16Kernel):
 def _build_native(weight: torch.Tensor, bias: torch.Tensor | None) -> LinearKernel | None:
     if weight.device.type != "cpu" or not native.loaded() or not native.packable(weight):
         return None
-    return NativeBf16Kernel(weight, bias)
+    return NativeKernel(weight, bias)
 
 
 def _build_amx(weight: torch.Tensor, bias: torch.Tensor | None) -> LinearKernel | None:
-    if _build_native(weight, bias) is None or not native.amx_usable(*weight.shape):
+    if weight.dtype != torch.bfloat16 or _build_native(weight, bias) is None:
+        return None
+    if not native.amx_usable(*weight.shape):
         return None
     return NativeAmxKernel(weight, bias)
 
@@ -175,7 +184,11 @@ register_kernel("amx", _build_amx)
 
 
 class BucketedKernel:
-    """Per batch bucket, the kernel measured fastest: rows <= bucket use that bucket's."""
+    """Per batch bucket, the kernel measured fastest: rows <= bucket use that bucket's.
+
+    Never batch invariant: a row gets another kernel, so another order, as the batch grows."""
+
+    batch_invariant = False
 
     def __init__(self, choices: list[tuple[int, LinearKernel]]) -> None:
         self.choices = sorted(choices, key=lambda choice: choice[0])

@@ -165,6 +165,7 @@ class WeightOnlyKernel:
     """`x @ W.T + b` for a quantized W: x cast to `compute_dtype`, the result cast back."""
 
     name = ""
+    batch_invariant = False
 
     def __init__(
         self,
@@ -194,6 +195,7 @@ class Int8Kernel(WeightOnlyKernel):
     """Per-channel int8 W (`aten._weight_int8pack_mm`)."""
 
     name = "int8"
+    batch_invariant = True  # checked per row count and thread count in tests/engine
 
     def pack(self, weight: QuantizedTensor) -> None:
         self.values = weight.values.contiguous()
@@ -208,11 +210,11 @@ class Int4Kernel(WeightOnlyKernel):
     else `aten._weight_int4pack_mm_for_cpu`. Both hold bf16 scales and zeros and compute
     with bf16 activations: the same weights, up to the order of the sums.
 
-    The native one streams nibbles straight into bf16 dot products for one row (one decode
-    token of SmolLM2 on a 2-vCPU Xeon: 20.2 -> see docs/benchmarks.md) and dequantizes four
-    blocks at a time into the bf16 matmul (AMX where present) for more rows."""
+    The native one streams nibbles straight into bf16 dot products, one row or many, in one
+    order per row (batch invariant, `worker/layers/native/gemm_int4.cpp`)."""
 
     name = "int4"
+    batch_invariant = True
     native_packed: torch.Tensor | None = None
 
     def pack(self, weight: QuantizedTensor) -> None:
@@ -225,7 +227,6 @@ class Int4Kernel(WeightOnlyKernel):
         n, k = weight.shape
         if self.compute_dtype == torch.bfloat16 and native.int4_packable(n, k, self.group_size):
             self.native_packed = native.pack_int4(weight.values, weight.scales, zeros)
-            self.amx = native.amx_usable(n, k)
             self.name = "int4-native"
             return
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
@@ -237,9 +238,7 @@ class Int4Kernel(WeightOnlyKernel):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.native_packed is not None:
-            return torch.ops.ladle_native.gemm_int4(
-                x, self.native_packed, self.out_features, None, self.amx
-            )
+            return torch.ops.ladle_native.gemm_int4(x, self.native_packed, self.out_features, None)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x, self.packed, self.group_size, self.scales_and_zeros
         )

@@ -1,8 +1,10 @@
 """Ladle's own CPU kernels: C++ compiled on the machine at hand and loaded as torch ops.
 
-`load(cache_dir)` compiles `gemm_bf16.cpp` once with the system's g++ (`-march=native`, so the
+`load(cache_dir)` compiles the sources (`SOURCES`: the bf16, int4 and float32 matmuls, paged
+attention, the small ops between matmuls) once with the system's g++ (`-march=native`, so the
 code uses exactly the instructions this CPU has) against the running torch's headers, and
-loads it with `torch.ops.load_library`; the ops then live under `torch.ops.ladle_native`.
+loads them with `torch.ops.load_library`; the ops then live under `torch.ops.ladle_native`.
+Every op computes a row the same way whatever else is in the call (`gemm.h`).
 The shared object is cached under `{cache}/native/`, keyed by the source, the CPU's model and
 flags, torch's version and the compiler's, so a restart on the same machine loads it in
 milliseconds (a first build takes ~20 s).
@@ -31,8 +33,11 @@ from shared.model_files import cache_root
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-SOURCES = tuple(_HERE / name for name in ("gemm_bf16.cpp", "attention_bf16.cpp", "glue_bf16.cpp"))
-HEADERS = (_HERE / "vec_bf16.h",)
+SOURCES = tuple(
+    _HERE / name
+    for name in ("gemm_bf16.cpp", "gemm_int4.cpp", "gemm_f32.cpp", "attention.cpp", "glue_bf16.cpp")
+)
+HEADERS = (_HERE / "vec_bf16.h", _HERE / "gemm.h")
 BUILD_TIMEOUT_S = 600
 _state: dict[str, object] = {}  # "loaded": bool, "reason": str (why not)
 
@@ -60,6 +65,9 @@ def _flags() -> list[str]:
         "-march=native",
         "-std=c++20",
         "-fPIC",
+        # no contraction of a * b + c into an FMA: one source line must round the same way in
+        # every function it is inlined into (batch invariance)
+        "-ffp-contract=off",
         "-fopenmp",  # at::parallel_for's OpenMP region (torch's own libgomp is already loaded)
         "-w",
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
@@ -177,13 +185,27 @@ def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
     return weight.reshape(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
-def packable(weight: torch.Tensor) -> bool:
+def pack_f32(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [N/16, K, 16]: the layout `ladle_native.gemm_f32` streams."""
     n, k = weight.shape
+    return weight.reshape(n // 16, 16, k).permute(0, 2, 1).contiguous()
+
+
+def packable(weight: torch.Tensor) -> bool:
+    """Whether `pack_bf16` or `pack_f32` takes this weight (and a native matmul serves it)."""
+    n, k = weight.shape
+    if weight.dtype == torch.float32:
+        return n % 16 == 0
     return weight.dtype == torch.bfloat16 and n % 16 == 0 and k % 2 == 0
 
 
-def decode_supported(head_dim: int, group: int) -> bool:
-    """Shapes `ladle_native.paged_decode_bf16` handles (head_dim, query heads per KV head)."""
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """The native matmul's layout for this weight's dtype."""
+    return pack_f32(weight) if weight.dtype == torch.float32 else pack_bf16(weight)
+
+
+def attention_supported(head_dim: int, group: int) -> bool:
+    """Shapes `ladle_native.paged_attention_rows` handles (head_dim, query heads per KV head)."""
     return head_dim in (32, 64, 96, 128, 192, 256) and 1 <= group <= 16
 
 

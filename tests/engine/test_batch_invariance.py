@@ -1,0 +1,148 @@
+"""Batch invariance, kernel by kernel: a row's result is bit for bit the same whatever else is
+in the call (1 to 256 rows, the row at any position) and on 1 or 2 threads.
+
+These are the kernels the deterministic mode (`LLM_DETERMINISTIC`, the default) runs; a kernel
+that sums a row in an order that depends on the batch fails here at once, where a greedy
+answer would only change on a near tie. Skipped where the native kernels cannot be built.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tests.engine.conftest import TEST_DEVICE
+from worker.layers import native
+from worker.layers.linear_kernels import build_kernel
+
+pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="CPU kernels")
+
+ROW_COUNTS = (1, 2, 4, 16, 17, 64, 256)
+THREADS = (1, 2)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def loaded_native(tmp_path_factory):
+    if not native.configure(True, str(tmp_path_factory.mktemp("native-cache"))):
+        pytest.skip(f"native kernels unavailable here: {native.status()}")
+    previous = torch.get_num_threads()
+    yield
+    torch.set_num_threads(previous)
+
+
+def _rand(*shape: int, seed: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def assert_rows_invariant(fn, probe: torch.Tensor, filler: torch.Tensor) -> None:
+    """fn(x)[i] depends on x[i] alone: `probe`'s rows placed first, last and amid `filler`
+    rows give the same bits at every row count and thread count."""
+    reference = None
+    for threads in THREADS:
+        torch.set_num_threads(threads)
+        for rows in ROW_COUNTS:
+            for at in sorted({0, rows - 1, rows // 2}):
+                x = filler[:rows].clone()
+                x[at] = probe
+                got = fn(x)[at]
+                if reference is None:
+                    reference = got.clone()
+                assert torch.equal(got, reference), f"{rows} rows, row {at}, {threads} threads"
+
+
+@pytest.mark.parametrize("name", ["native", "amx"])
+@pytest.mark.parametrize("shape,bias", [((960, 576), False), ((208, 1534), True), ((64, 32), True)])
+def test_bf16_matmul_is_batch_invariant(name, shape, bias):
+    weight = _rand(*shape, seed=1) * 0.05
+    kernel = build_kernel(name, weight, _rand(shape[0], seed=2) if bias else None)
+    if kernel is None:
+        pytest.skip(f"{name} does not apply to {shape} on this CPU")
+    assert kernel.batch_invariant
+    assert_rows_invariant(kernel, _rand(shape[1], seed=3), _rand(256, shape[1], seed=4))
+
+
+@pytest.mark.parametrize("shape,bias", [((960, 576), False), ((48, 33), True)])
+def test_float32_matmul_is_batch_invariant(shape, bias):
+    weight = _rand(*shape, seed=5, dtype=torch.float32)
+    kernel = build_kernel(
+        "native", weight, _rand(shape[0], seed=6, dtype=torch.float32) if bias else None
+    )
+    assert kernel is not None and kernel.batch_invariant
+    probe, filler = (_rand(256, shape[1], seed=s, dtype=torch.float32) for s in (7, 8))
+    assert_rows_invariant(kernel, probe[0], filler)
+
+
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+def test_quantized_matmul_is_batch_invariant(mode):
+    from worker.layers.quant import Int4Kernel, Int8Kernel, quantize_int4, quantize_int8
+
+    weight = torch.randn(960, 576, generator=torch.Generator().manual_seed(9))
+    if mode == "int4":
+        kernel = Int4Kernel(quantize_int4(weight), _rand(960, seed=10))
+        assert kernel.name == "int4-native"
+    else:
+        kernel = Int8Kernel(quantize_int8(weight), None)
+    assert kernel.batch_invariant
+    assert_rows_invariant(kernel, _rand(576, seed=11), _rand(256, 576, seed=12))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_attention_row_is_batch_invariant(dtype):
+    """A query row over its own block table gives the same bits alone, among 15 other rows of
+    other lengths, or among the other rows of its own prefill."""
+    heads, kv_heads, head_dim, block_size, num_blocks = 9, 3, 64, 16, 48
+    k_cache = _rand(kv_heads, num_blocks, block_size, head_dim, seed=13, dtype=dtype)
+    v_cache = _rand(kv_heads, num_blocks, block_size, head_dim, seed=14, dtype=dtype)
+    rng = random.Random(15)
+    table = rng.sample(range(num_blocks), 20)
+    probe = _rand(heads, head_dim, seed=16, dtype=dtype)
+    probe_len = 301
+
+    def attend(num_others: int, threads: int) -> torch.Tensor:
+        torch.set_num_threads(threads)
+        lens = [rng.randrange(1, 20 * block_size) for _ in range(num_others)]
+        tables = [rng.sample(range(num_blocks), 20) for _ in lens]
+        at = num_others // 2
+        lens.insert(at, probe_len)
+        tables.insert(at, table)
+        q = _rand(len(lens), heads, head_dim, seed=num_others, dtype=dtype)
+        q[at] = probe
+        out = torch.ops.ladle_native.paged_attention_rows(
+            q, k_cache, v_cache, torch.tensor(tables), torch.tensor(lens), head_dim**-0.5
+        )
+        return out[at]
+
+    reference = attend(0, 1)
+    for threads in THREADS:
+        for num_others in (0, 3, 15, 255):
+            assert torch.equal(attend(num_others, threads), reference), (num_others, threads)
+
+
+def test_small_ops_are_batch_invariant():
+    ops = torch.ops.ladle_native
+    weight = _rand(576, seed=17)
+    filler, probe = _rand(256, 576, seed=18), _rand(576, seed=19)
+    assert_rows_invariant(lambda x: ops.rms_norm_bf16(x, weight, 1e-5), probe, filler)
+    # a row of x and its residual side by side
+    assert_rows_invariant(
+        lambda x: ops.add_rms_norm_bf16(x[:, :576], x[:, 576:], weight, 1e-5)[0],
+        _rand(1152, seed=20),
+        _rand(256, 1152, seed=23),
+    )
+    assert_rows_invariant(ops.silu_mul_bf16, _rand(3072, seed=21), _rand(256, 3072, seed=22))
+
+
+def test_invariant_plan_gives_each_group_one_kernel(tmp_path):
+    from tests.engine.tiny_models import tiny_model_dir
+    from worker.engine.autotune import choose_kernels
+    from worker.models.loader import load_model
+
+    path = tiny_model_dir("llama", tmp_path, hidden_size=128, intermediate_size=256)
+    model = load_model(str(path), dtype="bfloat16", device="cpu").model
+    plan = choose_kernels(model, "auto", 16, 2, str(tmp_path), invariant=True)
+    assert plan.invariant
+    for group, by_bucket in plan.kernels.items():
+        assert len(set(by_bucket.values())) == 1, group
+        assert set(by_bucket.values()) <= {"native", "amx"}, group

@@ -1,0 +1,113 @@
+"""Same request, same answer: a greedy and a seeded request give the same tokens, and the same
+logprobs bit for bit, alone, among 15 other requests, after a prefix-cache hit on their own
+prompt, with a tiny prefill chunk, after preemption, on 1 or 2 threads and with n-gram
+speculation, in bf16, int4 and float32 (the deterministic mode, `LLM_DETERMINISTIC`)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.engine.conftest import (
+    TEST_DEVICE,
+    add_tiny_tokenizer,
+    assert_all_blocks_free,
+    make_engine,
+)
+from tests.engine.tiny_models import tiny_model_dir
+from worker.engine.offline import LLM
+from worker.engine.sampling_params import SamplingParams
+from worker.layers import native
+
+pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="CPU kernels")
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=0)
+SEEDED = SamplingParams(
+    temperature=0.9, top_p=0.95, seed=7, max_tokens=20, ignore_eos=True, logprobs=0
+)
+# passage repeated: the continuation often quotes it, so n-gram drafts are proposed and kept
+_rng = random.Random(3)
+_PASSAGE = [_rng.randrange(3, 256) for _ in range(9)]
+PROBE = [_rng.randrange(3, 256) for _ in range(21)] + _PASSAGE * 3
+MODES = {
+    "bf16": {"dtype": "bfloat16"},
+    "int4": {"dtype": "bfloat16", "quantization": "int4"},
+    "float32": {"dtype": "float32"},
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """head_dim 32, every shape a native kernel takes (as the default model's are)."""
+    path = tiny_model_dir(
+        "llama", tmp_path_factory.mktemp("determinism"), hidden_size=128, intermediate_size=256
+    )
+    add_tiny_tokenizer(path)
+    if not native.load():
+        pytest.skip(f"native kernels unavailable here: {native.status()}")
+    return path
+
+
+def _others(count: int, seed: int, longest: int = 90) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 256) for _ in range(rng.randint(3, longest))] for _ in range(count)]
+
+
+def _answers(engine, prompts: list[list[int]]) -> list[tuple]:
+    """(token ids, logprobs) of the probe's greedy and seeded answers, given the prompts."""
+    params = [GREEDY, SEEDED] + [GREEDY] * (len(prompts) - 2)
+    results = LLM(engine=engine).generate(prompts, params)
+    return [
+        (tuple(o.token_ids), tuple(t.logprob for t in o.logprobs or []))
+        for r in results[:2]
+        for o in r.outputs
+    ]
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_same_request_same_answer_in_every_situation(mode: str, model_dir: Path) -> None:
+    settings = {**MODES[mode], "linear_kernel": "native", "num_threads": 2, "deterministic": True}
+
+    def engine(**extra: object):
+        built = make_engine(model_dir, **{**settings, **extra})
+        assert built.executor.deterministic, built.executor.deterministic_reason
+        return built
+
+    base = engine()
+    alone = _answers(base, [PROBE, PROBE])
+    situations = {
+        "prefix cache hit": lambda: _answers(base, [PROBE, PROBE]),
+        "among 15 others": lambda: _answers(base, [PROBE, PROBE, *_others(14, seed=4)]),
+    }
+    chunked = engine(max_num_batched_tokens=5)
+    situations["prefill chunks of 5"] = lambda: _answers(chunked, [PROBE, PROBE, *_others(3, 5)])
+    tight = engine(kv_cache_size_mb=1, max_num_seqs=16)  # 128 blocks: too few for all 16
+    situations["preempted"] = lambda: _answers(tight, [PROBE, PROBE, *_others(14, 6, 240)])
+    one_thread = engine(num_threads=1)
+    situations["one thread"] = lambda: _answers(one_thread, [PROBE, PROBE])
+    speculating = engine(speculative_ngram=3)
+    situations["n-gram speculation"] = lambda: _answers(speculating, [PROBE, PROBE, *_others(3, 7)])
+    for name, run in situations.items():
+        assert run() == alone, name
+    torch.set_num_threads(2)
+    assert base.stats().num_prefix_hit_tokens > 0
+    assert tight.stats().num_preemptions_total > 0
+    assert speculating.stats().num_spec_accepted_tokens > 0
+    for built in (base, chunked, tight, one_thread, speculating):
+        assert_all_blocks_free(built)
+
+
+def test_worker_record_says_which_mode_runs(model_dir: Path) -> None:
+    on = make_engine(model_dir, dtype="bfloat16", linear_kernel="native", deterministic=True)
+    assert on.executor.deterministic and on.executor.deterministic_reason == ""
+    off = make_engine(model_dir, dtype="bfloat16", linear_kernel="plain", deterministic=False)
+    assert not off.executor.deterministic
+    assert off.executor.deterministic_reason == "LLM_DETERMINISTIC=false"
+    plain = make_engine(model_dir, dtype="bfloat16", linear_kernel="plain", deterministic=True)
+    assert (
+        not plain.executor.deterministic
+        and "batch-invariant" in plain.executor.deterministic_reason
+    )

@@ -1,0 +1,301 @@
+// Paged attention, one query row at a time, and the bf16 KV cache write.
+//
+// Every query row (a decode token, a draft being verified, or a prefill token) attends to
+// its own `context_len` cached positions through its own block table, so a row's result
+// never depends on how its sequence was chunked, cached or batched. One task per
+// (row, KV head) walks the row's block table in place (no gathered copy, no padding):
+//
+//   scores[g][p] = scale * q[g] . k[p]      (float32: vdpbf16ps for bf16, FMA for float32)
+//   probs        = softmax(scores)           (float32, vectorised exp)
+//   out[g]       = sum_p probs[g][p] v[p]    (float32, rounded to the cache's type at the end)
+//
+// for the G query heads sharing the KV head, keys read once for all G.
+// Reduction order, per row: a score is one chain over the head's 16-feature chunks in order,
+// then its 16 lanes summed by `sum_lanes16` (the same tree for every key); the softmax total
+// sums position p into lane p % 16, then the lanes in `_mm512_reduce_add_ps`'s tree; the
+// value sum is one FMA chain over positions in order.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include "vec_bf16.h"
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+#if defined(__AVX512BF16__)
+
+using namespace ladle;
+
+constexpr int kMaxGroup = 16;  // query heads per KV head
+constexpr int64_t kKeys = 16;  // keys scored together
+
+// out[j] = the sum of a[j]'s 16 lanes, by one fixed tree for every j: lanes l and l+8, then
+// l and l+4, l and l+2, l and l+1. Transposing as it adds costs 15 adds for 16 sums.
+inline __m512 sum_lanes16(const __m512* a) {
+  __m512 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)  // 256-bit halves: a[2i] in lanes 0-7, a[2i+1] in 8-15
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 4; ++i)  // quadrant q of c[i]: a[4i + q]
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int i = 0; i < 2; ++i)
+    d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // lane 4k + l holds a[4l + k]'s sum: put it at lane 4l + k
+  const __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, e);
+}
+
+// How one element type is read and written: bf16 (pairs into vdpbf16ps) or float32.
+struct Bf16 {
+  using T = uint16_t;
+  static constexpr int kPerChunk = 32;  // features per score step
+  using Q = __m512i;
+  static Q load_q(const T* q) { return _mm512_loadu_si512(q); }
+  static __m512 dot_step(__m512 acc, const T* k, Q q) {
+    return _mm512_dpbf16_ps(acc, as_bh(_mm512_loadu_si512(k)), as_bh(q));
+  }
+  static __m512 load16(const T* v) { return bf16_to_f32(v); }
+  static void store16(T* dst, __m512 v) { store_bf16(dst, v); }
+};
+
+struct F32 {
+  using T = float;
+  static constexpr int kPerChunk = 16;
+  using Q = __m512;
+  static Q load_q(const T* q) { return _mm512_loadu_ps(q); }
+  static __m512 dot_step(__m512 acc, const T* k, Q q) {
+    return _mm512_fmadd_ps(_mm512_loadu_ps(k), q, acc);
+  }
+  static __m512 load16(const T* v) { return _mm512_loadu_ps(v); }
+  static void store16(T* dst, __m512 v) { _mm512_storeu_ps(dst, v); }
+};
+
+struct Cache {
+  const void* k;  // this KV head's [blocks * block_size, D]
+  const void* v;
+  const int64_t* table;
+  int64_t block_size;
+};
+
+template <class E, int D>
+const typename E::T* at_position(const void* head, const Cache& c, int64_t p) {
+  const auto* base = static_cast<const typename E::T*>(head);
+  return base + (c.table[p / c.block_size] * c.block_size + p % c.block_size) * D;
+}
+
+// scores[g][p] for every p < len, and each head's maximum.
+template <class E, int D>
+void score(const typename E::T* q, int64_t q_head_stride, int G, const Cache& c, int64_t len,
+           float scale, float* scores, float* maxes) {
+  constexpr int C = D / E::kPerChunk;
+  typename E::Q qv[kMaxGroup][C];
+  for (int g = 0; g < G; ++g) {
+    for (int i = 0; i < C; ++i) qv[g][i] = E::load_q(q + g * q_head_stride + E::kPerChunk * i);
+    maxes[g] = -INFINITY;
+  }
+  const typename E::T* keys[kKeys];
+  for (int64_t p0 = 0; p0 < len; p0 += kKeys) {
+    const int64_t n = len - p0 < kKeys ? len - p0 : kKeys;
+    for (int64_t j = 0; j < kKeys; ++j)  // past the end: the last key again, ignored
+      keys[j] = at_position<E, D>(c.k, c, p0 + (j < n ? j : n - 1));
+    const __mmask16 valid = tail_mask(n);
+    for (int g = 0; g < G; ++g) {
+      __m512 acc[kKeys];
+      for (int64_t j = 0; j < kKeys; ++j) {
+        acc[j] = _mm512_setzero_ps();
+        for (int i = 0; i < C; ++i) acc[j] = E::dot_step(acc[j], keys[j] + E::kPerChunk * i, qv[g][i]);
+      }
+      const __m512 s = _mm512_mul_ps(sum_lanes16(acc), _mm512_set1_ps(scale));
+      _mm512_mask_storeu_ps(scores + g * len + p0, valid, s);
+      maxes[g] = std::fmax(maxes[g], _mm512_mask_reduce_max_ps(valid, s));
+    }
+  }
+}
+
+// One (row, KV head): G query heads of D features over `len` cached positions.
+template <class E, int D>
+void attend(const typename E::T* q, int64_t q_head_stride, int G, const Cache& c, int64_t len,
+            float scale, typename E::T* out, int64_t out_head_stride, std::vector<float>& scores) {
+  scores.resize(static_cast<size_t>(G) * len);
+  float maxes[kMaxGroup];
+  score<E, D>(q, q_head_stride, G, c, len, scale, scores.data(), maxes);
+  for (int g = 0; g < G; ++g) {
+    float* row = scores.data() + g * len;
+    const __m512 mx = _mm512_set1_ps(maxes[g]);
+    __m512 total = _mm512_setzero_ps();
+    int64_t p = 0;
+    for (; p + 16 <= len; p += 16) {
+      const __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(row + p), mx));
+      _mm512_storeu_ps(row + p, e);
+      total = _mm512_add_ps(total, e);
+    }
+    if (p < len) {
+      const __mmask16 tail = tail_mask(len - p);
+      const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + p), mx));
+      _mm512_mask_storeu_ps(row + p, tail, e);
+      total = _mm512_add_ps(total, _mm512_maskz_mov_ps(tail, e));
+    }
+    const float inv = 1.0f / _mm512_reduce_add_ps(total);
+    constexpr int V = D / 16;
+    __m512 acc[V];
+    for (int i = 0; i < V; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < len; ++p) {
+      const typename E::T* value = at_position<E, D>(c.v, c, p);
+      const __m512 w = _mm512_set1_ps(row[p]);
+      for (int i = 0; i < V; ++i) acc[i] = _mm512_fmadd_ps(w, E::load16(value + 16 * i), acc[i]);
+    }
+    typename E::T* dst = out + g * out_head_stride;
+    for (int i = 0; i < V; ++i) E::store16(dst + 16 * i, _mm512_mul_ps(acc[i], _mm512_set1_ps(inv)));
+  }
+}
+
+template <class E>
+using AttendFn = void (*)(const typename E::T*, int64_t, int, const Cache&, int64_t, float,
+                          typename E::T*, int64_t, std::vector<float>&);
+
+template <class E>
+AttendFn<E> attend_for(int64_t head_dim) {
+  switch (head_dim) {
+    case 32: return attend<E, 32>;
+    case 64: return attend<E, 64>;
+    case 96: return attend<E, 96>;
+    case 128: return attend<E, 128>;
+    case 192: return attend<E, 192>;
+    case 256: return attend<E, 256>;
+    default: return nullptr;
+  }
+}
+
+// Task t's row: rows taken alternately from both ends, so that threads splitting the tasks
+// into contiguous ranges get as many long rows (the end of a prefill) as short ones.
+inline int64_t balanced_row(int64_t t, int64_t rows) { return t % 2 ? rows - 1 - t / 2 : t / 2; }
+
+template <class E>
+void attend_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                 const at::Tensor& tables, const int64_t* lens, double scale, at::Tensor& out) {
+  const int64_t R = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t Hkv = k_cache.size(0), bs = k_cache.size(2);
+  const AttendFn<E> fn = attend_for<E>(D);
+  TORCH_CHECK(fn != nullptr, "head_dim ", D, " not supported (32, 64, 96, 128, 192, 256)");
+  const int64_t max_blocks = tables.size(1);
+  const auto* qp = static_cast<const typename E::T*>(q.data_ptr());
+  const auto* kp = static_cast<const typename E::T*>(k_cache.data_ptr());
+  const auto* vp = static_cast<const typename E::T*>(v_cache.data_ptr());
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  auto* op = static_cast<typename E::T*>(out.data_ptr());
+  const int G = static_cast<int>(H / Hkv);
+  const int64_t head_cache = k_cache.size(1) * bs * D;
+  at::parallel_for(0, R * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = balanced_row(task / Hkv, R), h = task % Hkv;
+      const Cache c{kp + h * head_cache, vp + h * head_cache, tp + r * max_blocks, bs};
+      fn(qp + (r * H + h * G) * D, D, G, c, lens[r], static_cast<float>(scale),
+         op + (r * H + h * G) * D, D, scores);
+    }
+  });
+}
+
+#endif  // __AVX512BF16__
+
+void check_cache(const at::Tensor& cache, const char* name) {
+  TORCH_CHECK(cache.dim() == 4 && cache.is_contiguous() &&
+                  (cache.scalar_type() == at::kBFloat16 || cache.scalar_type() == at::kFloat),
+              name, " must be a contiguous bf16 or float32 [kv_heads, blocks, block_size, head_dim]");
+}
+
+// q [R, H, D]; caches [Hkv, blocks, block_size, D] of q's type; tables [R, >= blocks used]
+// int64; context_lens [R] int64 (>= 1). Returns [R, H, D].
+at::Tensor paged_attention_rows(const at::Tensor& q, const at::Tensor& k_cache,
+                                const at::Tensor& v_cache, const at::Tensor& tables,
+                                const at::Tensor& context_lens, double scale) {
+  check_cache(k_cache, "k_cache");
+  check_cache(v_cache, "v_cache");
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == k_cache.scalar_type(),
+              "q must be [rows, heads, dim] of the cache's dtype");
+  TORCH_CHECK(tables.dim() == 2 && tables.scalar_type() == at::kLong, "tables must be int64 2-D");
+  TORCH_CHECK(context_lens.dim() == 1 && context_lens.scalar_type() == at::kLong,
+              "context_lens must be int64 1-D");
+  const int64_t R = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t Hkv = k_cache.size(0), blocks = k_cache.size(1), bs = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && v_cache.sizes() == k_cache.sizes(), "cache shape");
+  TORCH_CHECK(H % Hkv == 0 && H / Hkv <= 16, "query heads per KV head must be <= 16");
+  TORCH_CHECK(tables.size(0) == R && context_lens.size(0) == R, "one table and length per row");
+  const at::Tensor qc = q.contiguous(), tc = tables.contiguous(), lc = context_lens.contiguous();
+  const int64_t* lens = lc.data_ptr<int64_t>();
+  const int64_t* tp = tc.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t used = (lens[r] + bs - 1) / bs;
+    TORCH_CHECK(lens[r] >= 1 && used <= tables.size(1), "row ", r, ": context length ", lens[r],
+                " does not fit its block table");
+    for (int64_t b = 0; b < used; ++b)
+      TORCH_CHECK(tp[r * tables.size(1) + b] >= 0 && tp[r * tables.size(1) + b] < blocks, "row ",
+                  r, ": block id out of range");
+  }
+  at::Tensor out = at::empty({R, H, D}, q.options());
+#if defined(__AVX512BF16__)
+  if (q.scalar_type() == at::kBFloat16)
+    attend_rows<Bf16>(qc, k_cache, v_cache, tc, lens, scale, out);
+  else
+    attend_rows<F32>(qc, k_cache, v_cache, tc, lens, scale, out);
+#else
+  TORCH_CHECK(false, "ladle_native.paged_attention_rows: built without AVX512-BF16");
+#endif
+  return out;
+}
+
+// k, v [T, Hkv, D] into slot slots[t] of every head's cache.
+void write_kv_bf16(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
+                   at::Tensor& v_cache, const at::Tensor& slots) {
+  check_cache(k_cache, "k_cache");
+  check_cache(v_cache, "v_cache");
+  TORCH_CHECK(k_cache.scalar_type() == at::kBFloat16, "write_kv_bf16 needs bf16 caches");
+  const int64_t T = k.size(0), Hkv = k_cache.size(0), D = k_cache.size(3);
+  const int64_t num_slots = k_cache.size(1) * k_cache.size(2);
+  TORCH_CHECK(k.dim() == 3 && k.size(1) == Hkv && k.size(2) == D && v.sizes() == k.sizes() &&
+                  k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
+              "k and v must be bf16 [tokens, kv_heads, head_dim] matching the cache");
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == T && slots.scalar_type() == at::kLong,
+              "one int64 slot per token");
+  const at::Tensor kc = k.contiguous(), vc = v.contiguous(), sc = slots.contiguous();
+  const int64_t* sp = sc.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot ", sp[t], " out of range");
+  const auto* ks = reinterpret_cast<const uint16_t*>(kc.data_ptr());
+  const auto* vs = reinterpret_cast<const uint16_t*>(vc.data_ptr());
+  auto* kd = reinterpret_cast<uint16_t*>(k_cache.data_ptr());
+  auto* vd = reinterpret_cast<uint16_t*>(v_cache.data_ptr());
+  const size_t row = static_cast<size_t>(D) * sizeof(uint16_t);
+  at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t h = 0; h < Hkv; ++h) {
+        std::memcpy(kd + (h * num_slots + sp[t]) * D, ks + (t * Hkv + h) * D, row);
+        std::memcpy(vd + (h * num_slots + sp[t]) * D, vs + (t * Hkv + h) * D, row);
+      }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(ladle_native, m) {
+  m.def(
+      "paged_attention_rows(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, "
+      "Tensor context_lens, float scale) -> Tensor");
+  m.def("write_kv_bf16(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(ladle_native, CPU, m) {
+  m.impl("paged_attention_rows", &paged_attention_rows);
+  m.impl("write_kv_bf16", &write_kv_bf16);
+}

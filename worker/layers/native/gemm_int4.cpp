@@ -1,0 +1,206 @@
+// int4 weight-only matmul on AVX512-BF16 (LLM_QUANTIZATION=int4, groups of 32 inputs):
+// y[M, N] = x[M, K] @ W[N, K]^T (+ bias), w = (q - 8) s + z per group.
+//
+// Packed per block of 16 output rows and group g of 32 inputs, 320 bytes:
+//   8 chunks of 32 bytes: chunk c, byte 2j+e = row j's input 32g+4c+e (low nibble) and
+//   32g+4c+2+e (high nibble), i.e. k-pairs 2c and 2c+1 of the group in the bf16 layout;
+//   16 bf16 scales s, then 16 bf16 zeros z (one per row).
+// A nibble n becomes the bf16 bits 0x4300 | n, which is 128 + n exactly, so one `vdpbf16ps`
+// multiplies it with a pair of x, and per group
+//   sum_k w_k x_k = s * sum_k (128 + q_k) x_k + (z - 136 s) * sum_k x_k.
+//
+// Reduction order (batch invariant, see gemm.h), per row, block and group: two float32 sums
+// over the group's 8 chunks (low nibbles in one, high in the other), then
+// out = fma(s, first + second, out), out = fma(z - 136 s, sum of x over the group, out), for
+// groups in order; then + bias. One row streams four blocks at once; several rows share each
+// block's nibbles, expanded once per group for all of them.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include "gemm.h"
+#include "vec_bf16.h"
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kGroup = 32;
+constexpr int64_t kGroupBytes = 320;
+
+#if defined(__AVX512BF16__)
+
+using namespace ladle;
+
+// Sums of x over each group of 32 inputs, for `rows` rows of x: [rows][groups].
+std::vector<float> group_sums(const uint16_t* x, int64_t rows, int64_t K) {
+  const int64_t groups = K / kGroup;
+  std::vector<float> sums(static_cast<size_t>(rows * groups));
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint16_t* xg = x + m * K + g * kGroup;
+      sums[m * groups + g] = _mm512_reduce_add_ps(_mm512_add_ps(bf16_to_f32(xg), bf16_to_f32(xg + 16)));
+    }
+  return sums;
+}
+
+// Chunk c of one group as bf16 (128 + q): k-pair 2c (low nibbles) and 2c+1 (high).
+inline void expand_chunk(const uint8_t* chunk, __m512i& lo, __m512i& hi) {
+  const __m512i low = _mm512_set1_epi16(0x0F), one28 = _mm512_set1_epi16(0x4300);
+  const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk)));
+  lo = _mm512_or_si512(_mm512_and_si512(v, low), one28);
+  hi = _mm512_or_si512(_mm512_srli_epi16(v, 4), one28);
+}
+
+// out += this group's contribution, from its two sums: the one order every path uses.
+inline __m512 group_out(__m512 out, const uint8_t* group, __m512 first, __m512 second, float xsum) {
+  const uint16_t* meta = reinterpret_cast<const uint16_t*>(group + 256);
+  const __m512 scale = bf16_to_f32(meta), zero = bf16_to_f32(meta + 16);
+  out = _mm512_fmadd_ps(scale, _mm512_add_ps(first, second), out);
+  return _mm512_fmadd_ps(_mm512_fnmadd_ps(_mm512_set1_ps(136.0f), scale, zero),
+                         _mm512_set1_ps(xsum), out);
+}
+
+// One row of x against NB blocks at once (NB streams in flight: one row is memory-bound).
+template <int NB>
+void row_blocks(const uint16_t* x, const float* xsum, const uint8_t* first_block, int64_t groups,
+                const float* bias, uint16_t* y) {
+  const int64_t block_bytes = groups * kGroupBytes;
+  __m512 out[NB];
+  for (int n = 0; n < NB; ++n) out[n] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 acc[NB][2];
+    for (int n = 0; n < NB; ++n) acc[n][0] = acc[n][1] = _mm512_setzero_ps();
+    const uint16_t* xg = x + g * kGroup;
+    for (int c = 0; c < 8; ++c) {
+      const __m512i x0 = pair_of(xg + 4 * c), x1 = pair_of(xg + 4 * c + 2);
+      for (int n = 0; n < NB; ++n) {
+        __m512i lo, hi;
+        expand_chunk(first_block + n * block_bytes + g * kGroupBytes + 32 * c, lo, hi);
+        acc[n][0] = _mm512_dpbf16_ps(acc[n][0], as_bh(lo), as_bh(x0));
+        acc[n][1] = _mm512_dpbf16_ps(acc[n][1], as_bh(hi), as_bh(x1));
+      }
+    }
+    for (int n = 0; n < NB; ++n)
+      out[n] = group_out(out[n], first_block + n * block_bytes + g * kGroupBytes, acc[n][0],
+                         acc[n][1], xsum[g]);
+  }
+  for (int n = 0; n < NB; ++n)
+    store_bf16(y + n * kRows, with_bias(out[n], bias ? bias + n * kRows : nullptr));
+}
+
+// M rows of x (ldx apart) against one block: the block's nibbles expanded once per chunk.
+template <int M>
+void block_rows(const uint16_t* x, int64_t ldx, const float* xsum, int64_t groups,
+                const uint8_t* block, const float* bias, uint16_t* y, int64_t ldy) {
+  __m512 out[M];
+  for (int m = 0; m < M; ++m) out[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 acc[M][2];
+    for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    for (int c = 0; c < 8; ++c) {
+      __m512i lo, hi;
+      expand_chunk(block + g * kGroupBytes + 32 * c, lo, hi);
+      for (int m = 0; m < M; ++m) {
+        const uint16_t* xg = x + m * ldx + g * kGroup;
+        acc[m][0] = _mm512_dpbf16_ps(acc[m][0], as_bh(lo), as_bh(pair_of(xg + 4 * c)));
+        acc[m][1] = _mm512_dpbf16_ps(acc[m][1], as_bh(hi), as_bh(pair_of(xg + 4 * c + 2)));
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      out[m] = group_out(out[m], block + g * kGroupBytes, acc[m][0], acc[m][1],
+                         xsum[m * groups + g]);
+  }
+  for (int m = 0; m < M; ++m) store_bf16(y + m * ldy, with_bias(out[m], bias));
+}
+
+void block_rows_any(int64_t rows, const uint16_t* x, int64_t ldx, const float* xsum,
+                    int64_t groups, const uint8_t* block, const float* bias, uint16_t* y,
+                    int64_t ldy) {
+  switch (rows) {
+    case 1: return block_rows<1>(x, ldx, xsum, groups, block, bias, y, ldy);
+    case 2: return block_rows<2>(x, ldx, xsum, groups, block, bias, y, ldy);
+    case 3: return block_rows<3>(x, ldx, xsum, groups, block, bias, y, ldy);
+    case 4: return block_rows<4>(x, ldx, xsum, groups, block, bias, y, ldy);
+    case 5: return block_rows<5>(x, ldx, xsum, groups, block, bias, y, ldy);
+    case 6: return block_rows<6>(x, ldx, xsum, groups, block, bias, y, ldy);
+    case 7: return block_rows<7>(x, ldx, xsum, groups, block, bias, y, ldy);
+    default: return block_rows<8>(x, ldx, xsum, groups, block, bias, y, ldy);
+  }
+}
+
+void gemv_int4(const uint16_t* x, const uint8_t* packed, const float* bias, uint16_t* y,
+               int64_t N, int64_t K) {
+  constexpr int64_t kSet = 4;
+  const int64_t groups = K / kGroup, blocks = N / kRows;
+  const int64_t block_bytes = groups * kGroupBytes;
+  const std::vector<float> xsum = group_sums(x, 1, K);
+  const int64_t sets = (blocks + kSet - 1) / kSet;
+  at::parallel_for(0, sets, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t set = begin; set < end; ++set) {
+      const int64_t b0 = set * kSet;
+      const float* b = bias ? bias + b0 * kRows : nullptr;
+      if (blocks - b0 >= kSet) {
+        row_blocks<kSet>(x, xsum.data(), packed + b0 * block_bytes, groups, b, y + b0 * kRows);
+      } else {
+        for (int64_t i = 0; i < blocks - b0; ++i)
+          row_blocks<1>(x, xsum.data(), packed + (b0 + i) * block_bytes, groups,
+                        b ? b + i * kRows : nullptr, y + (b0 + i) * kRows);
+      }
+    }
+  });
+}
+
+void gemm_rows(const uint16_t* x, const uint8_t* packed, const float* bias, uint16_t* y,
+               int64_t M, int64_t N, int64_t K) {
+  const int64_t groups = K / kGroup, blocks = N / kRows;
+  const int64_t block_bytes = groups * kGroupBytes;
+  const std::vector<float> xsum = group_sums(x, M, K);
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxM)
+        block_rows_any(M - m0 < kMaxM ? M - m0 : kMaxM, x + m0 * K, K,
+                       xsum.data() + m0 * groups, groups, packed + b * block_bytes,
+                       bias ? bias + b * kRows : nullptr, y + m0 * N + b * kRows, N);
+  });
+}
+
+#endif  // __AVX512BF16__
+
+at::Tensor gemm_int4(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                     const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be 2-D bf16");
+  const int64_t M = x.size(0), K = x.size(1), N = out_features;
+  TORCH_CHECK(N % kRows == 0 && K % kGroup == 0, "int4 needs out % 16 == 0 and in % 32 == 0");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.numel() == (N / kRows) * (K / kGroup) * kGroupBytes,
+              "packed must be pack_int4's uint8 layout for this shape");
+  const at::Tensor xc = x.contiguous();
+  const at::Tensor bias_f = float_bias(bias, N);
+  at::Tensor y = at::empty({M, N}, x.options());
+#if defined(__AVX512BF16__)
+  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
+  const auto* pp = packed.data_ptr<uint8_t>();
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  if (M == 1)
+    gemv_int4(xp, pp, bp, yp, N, K);
+  else if (M > 1)
+    gemm_rows(xp, pp, bp, yp, M, N, K);
+#else
+  TORCH_CHECK(false, "ladle_native.gemm_int4: built without AVX512-BF16");
+#endif
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(ladle_native, m) {
+  m.def("gemm_int4(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(ladle_native, CPU, m) { m.impl("gemm_int4", &gemm_int4); }
