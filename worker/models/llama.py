@@ -19,7 +19,7 @@ from worker.layers.attention import PagedAttention
 from worker.layers.linear import Linear, PackedLinear
 from worker.layers.norm import RMSNorm
 from worker.layers.quant import QuantizedTensor
-from worker.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from worker.layers.rotary import RotaryEmbedding, rope_parameters
 
 # checkpoint name fragment -> (fused module name fragment, shard index)
 PACKED_WEIGHTS = {
