@@ -33,7 +33,7 @@ pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="CPU kernels")
 
 @pytest.fixture(scope="module", autouse=True)
 def loaded_native(tmp_path_factory):
-    if not native.configure(True, str(tmp_path_factory.mktemp("native-cache"))):
+    if not native.configure(True):  # the machine's cache: one build serves every test
         pytest.skip(f"native kernels unavailable here: {native.status()}")
     previous = torch.get_num_threads()
     torch.set_num_threads(2)  # the kernels split work over threads: cover the split
