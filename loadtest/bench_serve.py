@@ -373,7 +373,7 @@ def running_service(
         argv = [
             sys.executable,
             "-m",
-            "shared.cli",
+            "ladle",
             "up",
             "--workers",
             str(num_workers),

@@ -33,10 +33,10 @@ from pathlib import Path
 
 import httpx
 
+from ladle.broker import spare_port
 from loadtest.chaos_load import PROMPTS, Clients, Ledger, poll_job, request_body
 from loadtest.chaos_sweep import check_redis, run_batches, wait_idle
 from loadtest.up import UpProcess, kill_child
-from shared.broker import spare_port
 from tests.integration.harness import RedisServer
 
 LEASE_S = 3.0  # LLM_WORKER_TTL_S: a worker silent this long loses its jobs' leases

@@ -17,9 +17,9 @@ from shared import tracing
 from shared.config import Settings, active_allocator
 from shared.contracts import WorkerRecord
 from shared.keys import Keys
+from shared.logging import safe_url
 from shared.metrics import WorkerMetrics
 from shared.queue import deserialize_job, serialize_job
-from shared.redis_url import arq_redis_settings, safe_url
 from shared.retry import FOREVER, Backoff, retry
 from shared.tokenizer import load_tokenizer
 from worker.arq_adapter import LadleWorker
@@ -28,6 +28,7 @@ from worker.engine.engine import LLMEngine
 from worker.engine_thread import EngineHost
 from worker.heartbeat import Heartbeat, default_worker_id
 from worker.metrics import WorkerMetricsRecorder
+from worker.redis_settings import arq_redis_settings
 from worker.service import WorkerService
 
 logger = logging.getLogger("worker")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-OURS = ("api", "worker", "shared")
+OURS = ("api", "worker", "shared", "ladle")
 ENGINE_PACKAGES = ("worker.engine", "worker.models", "worker.layers")
 SERVICES = ("redis", "arq", "fastapi", "starlette", "uvicorn")
 
@@ -49,6 +49,7 @@ def offenders(package: str, allowed: tuple[str, ...], forbidden: tuple[str, ...]
 # (package, what it may import of ours, what it must never import)
 RULES = [
     ("shared", ("shared",), (*OURS, "torch")),
+    ("ladle", ("ladle", "shared"), (*OURS, "torch")),
     ("api", ("api", "shared"), (*OURS, "torch")),
     ("worker.layers", ("worker.layers", "shared"), (*OURS, *SERVICES)),
     ("worker.models", ("worker.models", "worker.layers", "shared"), (*OURS, *SERVICES)),

@@ -1,4 +1,4 @@
-"""`ladle` (`python -m shared.cli`): run the whole service, or one of its processes.
+"""`ladle` (`python -m ladle`): run the whole service, or one of its processes.
 
     ladle up [--workers N] [--port P] [--model M]   Redis (found or started), API, N workers,
                                                     restarted when they crash
@@ -18,8 +18,8 @@ import argparse
 import os
 import sys
 
-from shared import batch_cli
-from shared.launcher import UpOptions, WorkerGroup, run_up
+from ladle import batch_cli
+from ladle.launcher import UpOptions, WorkerGroup, run_up
 
 # Subcommands that exec a module with the rest of the command line.
 PASSTHROUGH = {

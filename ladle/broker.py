@@ -21,7 +21,7 @@ from typing import Literal
 
 import redis
 
-from shared.redis_url import safe_url
+from shared.logging import safe_url
 
 logger = logging.getLogger("ladle.broker")
 

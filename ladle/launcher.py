@@ -3,7 +3,7 @@
 The children are `python -m api` and `python -m worker`, started in their own sessions so the
 launcher alone decides how they stop: on SIGINT/SIGTERM it sends each SIGTERM, waits for the
 workers to drain, then kills what is left (a second signal kills at once). A child that exits
-on its own is restarted with backoff (`shared/supervisor.py`); the others keep serving.
+on its own is restarted with backoff (`ladle/supervisor.py`); the others keep serving.
 """
 
 from __future__ import annotations
@@ -21,18 +21,18 @@ from dataclasses import dataclass, field
 
 from prometheus_client import start_http_server
 
-from shared.broker import BrokerError, find_or_start_redis, safe_url
-from shared.config import Settings
-from shared.keys import Keys
-from shared.logging import setup_logging
-from shared.metrics import SupervisorMetrics
-from shared.supervisor import (
+from ladle.broker import BrokerError, find_or_start_redis, safe_url
+from ladle.supervisor import (
     ChildSpec,
     RestartPolicy,
     StatusPublisher,
     Supervisor,
     describe_exit,
 )
+from shared.config import Settings
+from shared.keys import Keys
+from shared.logging import setup_logging
+from shared.metrics import SupervisorMetrics
 
 logger = logging.getLogger("ladle.launcher")
 

@@ -36,11 +36,3 @@ def arq_redis_settings(url: str, **overrides: Any) -> RedisSettings:
         values["ssl_check_hostname"] = bool(parsed["ssl_check_hostname"])
     values.update(overrides)
     return RedisSettings(**values)
-
-
-def safe_url(url: str) -> str:
-    """The URL without credentials, for logs."""
-    if "@" not in url:
-        return url
-    scheme, _, rest = url.partition("://")
-    return f"{scheme}://***@{rest.split('@', 1)[1]}"
