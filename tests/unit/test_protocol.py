@@ -8,11 +8,11 @@ import logging
 import pytest
 from pydantic import ValidationError
 
-from api.formatting import Accumulator, ResponseContext, build_response
-from api.prompting import check_context, sampling_spec
-from api.protocol import ChatCompletionRequest, CompletionRequest
-from api.relay import parse_entry_id
-from api.streaming import StreamInconsistent, StreamTranslator
+from api.jobs.relay import parse_entry_id
+from api.openai.formatting import Accumulator, ResponseContext, build_response
+from api.openai.prompting import check_context, sampling_spec
+from api.openai.protocol import ChatCompletionRequest, CompletionRequest
+from api.openai.streaming import StreamInconsistent, StreamTranslator
 from shared.contracts import ChoiceEnd, DeltaEvent, DoneEvent, RestartEvent, Usage
 from shared.logging import JsonFormatter, request_id_var
 from shared.metrics import ApiMetrics, WorkerMetrics, render

@@ -9,15 +9,15 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 
 from api.auth import ApiKeyId
-from api.batch_runner import ControlQueue
-from api.completions import allowed_priorities, parse_body
+from api.batches.contracts import COMPLETION_WINDOWS, BatchRecord, new_batch_id
+from api.batches.file_routes import owner_of
+from api.batches.files import list_object
+from api.batches.runner import ControlQueue
 from api.errors import APIError
-from api.files import list_object
-from api.idempotency import fingerprint, idempotency_key
-from api.protocol import BatchCreateRequest, openapi_body
-from api.routes_files import owner_of
+from api.jobs.idempotency import fingerprint, idempotency_key
+from api.openai.admission import allowed_priorities, parse_body
+from api.openai.protocol import BatchCreateRequest, openapi_body
 from api.services import Services, ServicesDep
-from shared.batches import COMPLETION_WINDOWS, BatchRecord, new_batch_id
 
 router = APIRouter()
 

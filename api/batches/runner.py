@@ -1,7 +1,7 @@
 """Running a batch: validate and expand it into line jobs, collect finished lines, stop the
 rest on cancel or expiry, and finalise into output and error files.
 
-Each step is arq work on the batch control queue (`api/batch_control.py`) that any API
+Each step is arq work on the batch control queue (`api/batches/control.py`) that any API
 process runs, and each is safe to run twice, or at once in two processes: line job ids are
 derived from the batch id and line number, a line's result is recorded once (HSETNX), the
 record changes under WATCH, and output files have derived ids. A process killed anywhere
@@ -16,13 +16,13 @@ import logging
 import time
 from collections.abc import Callable
 
-from api.batch_lines import LineResults, finished_entry, request_entry, stopped_entry, submit_line
-from api.batches import RECORD_GRACE_S, BatchStore
+from api.batches.contracts import BatchError, BatchErrors, BatchRecord, FileRecord, line_job_id
+from api.batches.contracts import output_file_id as derived_file_id
+from api.batches.files import BatchLine, FileStore, parse_batch_file
+from api.batches.lines import LineResults, finished_entry, request_entry, stopped_entry, submit_line
+from api.batches.store import RECORD_GRACE_S, BatchStore
 from api.errors import APIError
-from api.files import BatchLine, FileStore, parse_batch_file
 from api.services import Services
-from shared.batches import BatchError, BatchErrors, BatchRecord, FileRecord, line_job_id
-from shared.batches import output_file_id as derived_file_id
 from shared.contracts import FINAL_STATUSES, JobRecord
 
 log = logging.getLogger(__name__)

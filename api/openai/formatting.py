@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from api.tool_calls import ToolCallParser, merge_deltas
+from api.openai.tool_calls import ToolCallParser, merge_deltas
 from shared.contracts import (
     ChoiceResult,
     DeltaEvent,

@@ -13,16 +13,16 @@ import logging
 from typing import Any
 
 from api.errors import APIError
-from api.protocol import ChatCompletionRequest, CompletionRequest, OpenAIRequest
-from shared.contracts import StructuredSpec, ToolCallSpec
-from shared.grammar import GrammarError, GrammarKind, build_grammar, close_objects
-from shared.tools import (
+from api.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIRequest
+from api.openai.tools import (
     named_call_schema,
     render_tool_messages,
     required_calls_schema,
     template_takes_tools,
     tool_format,
 )
+from shared.contracts import StructuredSpec, ToolCallSpec
+from shared.grammar import GrammarError, GrammarKind, build_grammar, close_objects
 
 log = logging.getLogger(__name__)
 _INVALID = "invalid_parameter"

@@ -12,13 +12,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from api.completions import parse_dict, prepare_job, response_context
+from api.batches.contracts import NO_OWNER, BatchRecord, line_job_id
+from api.batches.files import BatchLine
 from api.errors import APIError
-from api.files import BatchLine
-from api.formatting import build_response
-from api.protocol import ChatCompletionRequest, CompletionRequest
+from api.openai.admission import parse_dict, prepare_job, response_context
+from api.openai.formatting import build_response
+from api.openai.protocol import ChatCompletionRequest, CompletionRequest
 from api.services import Services
-from shared.batches import NO_OWNER, BatchRecord, line_job_id
 from shared.contracts import JobRecord
 from shared.keys import Keys
 

@@ -13,7 +13,7 @@ from shared.contracts import DoneEvent, ErrorEvent, JobPayload
 
 
 class RequestTrace:
-    """`ladle.request` (receive -> response end) with `api.enqueue` and `api.relay` under it;
+    """`ladle.request` (receive -> response end) with `api.enqueue` and `api.jobs.relay` under it;
     the worker's spans join the same trace through the payload's traceparent."""
 
     def __init__(self, route: str, payload: JobPayload, start: float) -> None:

@@ -15,7 +15,7 @@ from arq.constants import in_progress_key_prefix, job_key_prefix
 from redis.exceptions import RedisError
 
 from api.errors import APIError
-from api.ratelimit import Quota, RateLimiter
+from api.keys.limits import Quota, RateLimiter
 from shared.config import Settings
 from shared.contracts import (
     FINAL_STATUSES,

@@ -12,8 +12,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from api.errors import APIError
-from api.protocol import ChatCompletionRequest, CompletionRequest, OpenAIRequest
-from api.structured import chat_inputs
+from api.openai.constraints import chat_inputs
+from api.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIRequest
 from shared.config import Settings
 from shared.contracts import JobPayload, Lane, SamplingSpec, StructuredSpec, ToolCallSpec
 from shared.errors import InvalidRequestError, check_context_length

@@ -10,7 +10,7 @@ from fastapi.responses import Response
 
 from api.errors import APIError
 
-CONSOLE_DIR = Path(__file__).parent / "console"
+CONSOLE_DIR = Path(__file__).parent / "static"
 _MEDIA_TYPES = {".html": "text/html", ".css": "text/css", ".js": "text/javascript"}
 # The page may talk to this origin only, and runs only its own scripts and styles.
 _HEADERS = {

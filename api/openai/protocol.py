@@ -4,7 +4,8 @@ The sampling parameters and their ranges are not declared here: `SamplingFields`
 them from the wire contract's `SamplingSpec` (`shared/contracts.py`), overriding only the
 fields whose OpenAI shape differs (`stop` may be one string, `logit_bias` keys are strings,
 chat's `logprobs` is a flag). Limits that depend on settings (n, logit_bias size) are checked
-in `api/prompting.py`. Unknown fields are ignored, as OpenAI clients send fields we do not use.
+in `api/openai/prompting.py`. Unknown fields are ignored, as OpenAI clients send fields we
+do not use.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from api.protocol_structured import (
+from api.openai.protocol_constraints import (
     UNSUPPORTED_FIELDS,
     MessageToolCall,
     ResponseFormat,
@@ -32,7 +33,7 @@ from api.protocol_structured import (
 )
 from shared.contracts import MAX_LOGPROBS, SamplingSpec, check_logit_bias, check_stops
 
-# Request fields that are not sampling parameters: `api/prompting.py` maps each of them
+# Request fields that are not sampling parameters: `api/openai/prompting.py` maps each of them
 # (into JobPayload, or into the prompt's tokenization). Every other field is `SamplingSpec`'s;
 # tests/unit/test_parameters.py fails on a field that is in neither.
 REQUEST_FIELDS = frozenset(
@@ -50,7 +51,7 @@ REQUEST_FIELDS = frozenset(
         "top_logprobs",
         "add_generation_prompt",
         "chat_template_kwargs",
-        # structured outputs and tools (api/structured.py maps them into the job)
+        # structured outputs and tools (api/openai/constraints.py maps them into the job)
         "response_format",
         "structured_outputs",
         "tools",

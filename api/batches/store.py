@@ -13,9 +13,9 @@ from collections.abc import Callable
 from redis.asyncio import Redis
 from redis.exceptions import WatchError
 
+from api.batches.contracts import BatchRecord, stored_json
+from api.batches.files import page_ids
 from api.errors import APIError
-from api.files import page_ids
-from shared.batches import BatchRecord, stored_json
 from shared.keys import Keys
 
 # Records outlive their batch's window by this long, so results stay findable.

@@ -10,8 +10,8 @@ from redis.exceptions import RedisError
 
 from api.auth import require_api_key
 from api.errors import APIError
+from api.jobs.workers import supervised_children
 from api.services import Services, ServicesDep
-from api.workers import supervised_children
 from shared.metrics import render
 
 log = logging.getLogger(__name__)

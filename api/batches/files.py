@@ -14,8 +14,8 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from api.batches.contracts import BATCH_ENDPOINTS, FileRecord
 from api.errors import APIError
-from shared.batches import BATCH_ENDPOINTS, FileRecord
 from shared.keys import Keys
 
 

@@ -15,7 +15,7 @@ from typing import Any
 from arq import Retry
 from arq.worker import Worker, func
 
-from api.batch_runner import BatchRunner, ControlQueue
+from api.batches.runner import BatchRunner, ControlQueue
 from api.services import Services
 from shared.queue import deserialize_job, serialize_job
 

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from api.formatting import (
+from api.openai.formatting import (
     ResponseContext,
     build_chunk,
     format_logprobs,
     tool_parser,
     usage_chunk,
 )
-from api.tool_calls import ToolCallParser
+from api.openai.tool_calls import ToolCallParser
 from shared.contracts import DeltaEvent, DoneEvent, ErrorEvent, RestartEvent, StreamEvent
 
 

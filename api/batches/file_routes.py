@@ -10,10 +10,10 @@ from fastapi.responses import Response
 from starlette.datastructures import UploadFile
 
 from api.auth import ApiKeyId
+from api.batches.contracts import NO_OWNER, FileRecord, new_file_id
+from api.batches.files import list_object, parse_batch_file
 from api.errors import APIError
-from api.files import list_object, parse_batch_file
 from api.services import ServicesDep
-from shared.batches import NO_OWNER, FileRecord, new_file_id
 
 router = APIRouter()
 UPLOAD_OVERHEAD_BYTES = 64 * 1024  # multipart framing and the other form fields

@@ -8,10 +8,11 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from api.auth import ApiKeyId, require_api_key
-from api.completions import complete, parse_body
 from api.errors import APIError, model_not_found
-from api.prompting import prompt_token_ids
-from api.protocol import (
+from api.openai.admission import parse_body
+from api.openai.completions import complete
+from api.openai.prompting import prompt_token_ids
+from api.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,

@@ -11,20 +11,25 @@ from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from api.auth import ApiKeyId, require_api_key
-from api.completions import (
+from api.errors import APIError
+from api.jobs.idempotency import fingerprint, idempotency_key
+from api.jobs.relay import parse_entry_id
+from api.jobs.trace import RequestTrace
+from api.keys.limits import Quota
+from api.openai.admission import (
     allowed_priorities,
     parse_body,
     parse_dict,
     prepare_job,
     response_context,
 )
-from api.errors import APIError
-from api.formatting import build_response, usage_dict
-from api.idempotency import fingerprint, idempotency_key
-from api.protocol import ChatCompletionRequest, CompletionRequest, JobCreateRequest, openapi_body
-from api.ratelimit import Quota
-from api.relay import parse_entry_id
-from api.request_trace import RequestTrace
+from api.openai.formatting import build_response, usage_dict
+from api.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    JobCreateRequest,
+    openapi_body,
+)
 from api.services import Services, ServicesDep
 from shared.contracts import (
     FINAL_STATUSES,

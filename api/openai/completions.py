@@ -8,120 +8,29 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
 
-from api.errors import APIError, error_body, validation_error
-from api.formatting import Accumulator, ResponseContext, build_response, sse_data
-from api.jobs import new_job_id
-from api.prompting import build_payload, check_context, check_limits, prompts_token_ids
-from api.protocol import URL_TO_ENDPOINT, ChatCompletionRequest, OpenAIRequest
-from api.relay import Subscription
-from api.request_trace import RequestTrace
+from api.errors import APIError, error_body
+from api.jobs.relay import Subscription
+from api.jobs.trace import RequestTrace
+from api.openai.admission import allowed_priorities, prepare_job, response_context
+from api.openai.formatting import Accumulator, ResponseContext, build_response, sse_data
+from api.openai.protocol import URL_TO_ENDPOINT, OpenAIRequest
+from api.openai.streaming import StreamInconsistent, StreamTranslator
 from api.services import Services
-from api.streaming import StreamInconsistent, StreamTranslator
-from api.structured import check_request, output_spec, with_tool_format
-from shared.contracts import DoneEvent, ErrorEvent, JobPayload, Lane, StreamEvent
-from shared.logging import job_id_var, request_id_var
+from shared.contracts import DoneEvent, ErrorEvent, StreamEvent
+from shared.logging import job_id_var
 
 log = logging.getLogger(__name__)
-M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
 _CONTENT_EVENTS = frozenset({"delta", "done", "error"})
 
 
 class ClientDisconnected(Exception):
     pass
-
-
-async def parse_body(request: Request, model: type[M]) -> M:
-    """Validate the raw body ourselves, so every failure is a 400 in OpenAI's shape."""
-    try:
-        return model.model_validate_json(await request.body())
-    except ValidationError as exc:
-        raise validation_error(exc) from exc
-
-
-def parse_dict(body: dict[str, Any], model: type[M]) -> M:
-    try:
-        return model.model_validate(body)
-    except ValidationError as exc:
-        raise validation_error(exc) from exc
-
-
-async def prepare_job(
-    services: Services,
-    body: OpenAIRequest,
-    *,
-    api_key_id: str | None,
-    deadline_s: float | None,
-    job_id: str | None = None,
-    lane: Lane = "interactive",
-    priority_range: tuple[int, int] | None = None,
-) -> JobPayload:
-    """Limits, model, output constraints, prompt length: all checked before a job exists.
-
-    A batch line (`lane="batch"`) may name a model whose workers are all away for now: it
-    waits in that model's queue instead of failing."""
-    settings = services.settings
-    check_limits(body, settings)
-    check_request(body)
-    # Grammar checks take 0.5-7 ms for a new schema: off the event loop.
-    structured, tool_calls = await asyncio.to_thread(output_spec, body)
-    model = await services.workers.resolve(
-        body.model, settings.model_id, require_live=lane == "interactive"
-    )
-    tokenizer = await services.tokenizer.get(model.name)
-    prompts = await prompts_token_ids(tokenizer, body)
-    param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
-    max_tokens = min(
-        check_context(len(ids), body.max_tokens, model.max_model_len, param) for ids in prompts
-    )
-    prompt_ids = prompts[0]
-    return build_payload(
-        body,
-        prompt_batch=prompts if len(prompts) > 1 else None,
-        structured=structured,
-        tool_calls=with_tool_format(tool_calls, tokenizer),
-        prompt_token_ids=prompt_ids,
-        job_id=job_id or new_job_id(),
-        model=model.name,
-        max_tokens=max_tokens,
-        deadline_s=deadline_s,
-        request_id=request_id_var.get(),
-        api_key_id=api_key_id,
-        priority_range=priority_range or (settings.priority_min, settings.priority_max),
-        lane=lane,
-    )
-
-
-async def echo_texts(services: Services, payload: JobPayload) -> list[str] | None:
-    """The prompt text that `echo` puts in front of each prompt's completions."""
-    if payload.endpoint != "completions" or not payload.echo:
-        return None
-    if payload.prompt is not None and payload.prompt_batch is None:
-        return [payload.prompt]
-    tokenizer = await services.tokenizer.get(payload.model)
-    return [await asyncio.to_thread(tokenizer.decode, ids) for ids in payload.prompts]
-
-
-async def response_context(
-    services: Services, payload: JobPayload, include_usage: bool
-) -> ResponseContext:
-    return ResponseContext(
-        endpoint=payload.endpoint,
-        job_id=payload.id,
-        model=payload.model,
-        created=int(payload.created),
-        n=payload.num_choices,
-        choices_per_prompt=payload.sampling.n,
-        echo_texts=await echo_texts(services, payload),
-        include_usage=include_usage,
-        tool_calls=payload.tool_calls,
-    )
 
 
 async def complete(
@@ -151,7 +60,7 @@ async def complete(
         trace.relay_started()
         if isinstance(first[-1], ErrorEvent):
             raise _job_error(first[-1], payload.id)
-        answer = _Answer(services, sub, ctx, first, deadline, trace)
+        answer = _StartedJob(services, sub, ctx, first, deadline, trace)
         if body.stream:
             handed_over = True
             headers = {"X-Job-Id": payload.id}
@@ -175,7 +84,7 @@ async def complete(
 
 
 @dataclass
-class _Answer:
+class _StartedJob:
     """What answering a request needs once its job's first events are in."""
 
     services: Services
@@ -186,7 +95,7 @@ class _Answer:
     trace: RequestTrace
 
 
-async def _json_response(request: Request, answer: _Answer) -> JSONResponse:
+async def _json_response(request: Request, answer: _StartedJob) -> JSONResponse:
     """A non-streamed answer: every event of the job, folded into one response object."""
     acc, ctx = Accumulator(), answer.ctx
     for event in answer.first:
@@ -199,12 +108,6 @@ async def _json_response(request: Request, answer: _Answer) -> JSONResponse:
     answer.trace.finish(acc.done)
     result = build_response(ctx, acc.result(ctx.n), acc.done.usage)
     return JSONResponse(result, headers={"X-Job-Id": ctx.job_id})
-
-
-def allowed_priorities(request: Request) -> tuple[int, int] | None:
-    """The `priority` range of the caller's key (None: the settings' range)."""
-    quota = getattr(request.state, "quota", None)
-    return quota.policy.priority_range if quota is not None else None
 
 
 def _job_error(event: ErrorEvent, job_id: str) -> APIError:
@@ -268,7 +171,7 @@ def observe_done(services: Services, done: DoneEvent) -> None:
         metrics.e2e_latency.observe(max(0.0, t.finished_at - t.queued_at))
 
 
-async def _sse(answer: _Answer) -> AsyncIterator[str]:
+async def _sse(answer: _StartedJob) -> AsyncIterator[str]:
     """The SSE body; runs after the headers went out. Cancels the job unless it ended."""
     services, sub, deadline = answer.services, answer.sub, answer.deadline
     translator = StreamTranslator(answer.ctx)

@@ -11,7 +11,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from api.errors import APIError
-from api.keyring import KeyPolicy
+from api.keys.keyring import KeyPolicy
 from shared.contracts import JobPayload, TokenReservation
 from shared.keys import Keys
 from shared.ratelimit import ADMIT_LUA, WINDOW_S, format_reset, retry_after_s, settle_lua
@@ -35,7 +35,7 @@ class Quota:
 
 
 @dataclass(frozen=True)
-class _Answer:
+class _Admission:
     admitted: bool
     headers: dict[str, str]
     retry_ms: int
@@ -84,7 +84,7 @@ class RateLimiter:
                 args=[reservation.second, reservation.tokens],
             )
 
-    async def _run(self, policy: KeyPolicy, requests: int, tokens: int) -> _Answer:
+    async def _run(self, policy: KeyPolicy, requests: int, tokens: int) -> _Admission:
         reply = await self._admit(
             keys=[
                 self.keys.rate_requests(policy.bucket),
@@ -103,7 +103,7 @@ class RateLimiter:
         )
         headers = _headers("requests", req_limit, req_left, req_reset)
         headers.update(_headers("tokens", tok_limit, tok_left, tok_reset))
-        return _Answer(bool(admitted), headers, retry, now)
+        return _Admission(bool(admitted), headers, retry, now)
 
 
 def _headers(kind: str, limit: int, remaining: int, reset_ms: int) -> dict[str, str]:
@@ -117,7 +117,7 @@ def _headers(kind: str, limit: int, remaining: int, reset_ms: int) -> dict[str, 
     }
 
 
-def _refusal(policy: KeyPolicy, cost: int, answer: _Answer) -> APIError:
+def _refusal(policy: KeyPolicy, cost: int, answer: _Admission) -> APIError:
     headers = dict(answer.headers)
     if answer.retry_ms < 0:  # larger than the whole limit: retrying cannot help
         message = (
