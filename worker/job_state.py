@@ -21,8 +21,8 @@ from shared.contracts import (
     Usage,
 )
 from shared.tokenizer import Tokenizer
+from worker.engine.core.outputs import SampledToken
 from worker.engine.engine import SequenceOutput
-from worker.engine.outputs import SampledToken
 
 
 @dataclass

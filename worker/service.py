@@ -27,8 +27,8 @@ from shared.contracts import (
 from shared.errors import InvalidRequestError
 from shared.keys import Keys
 from shared.tokenizer import Tokenizer
+from worker.engine.core.sampling_params import SamplingParams
 from worker.engine.engine import LLMEngine, PreparedRequest
-from worker.engine.sampling_params import SamplingParams
 from worker.engine_thread import EngineHost, EngineStepError, EngineThread
 from worker.job_state import JobState, job_for, new_engine_request_id
 from worker.listener import Listener

@@ -13,7 +13,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.integration.harness import Service, start_service
+from tests.support.harness import Service, start_service
 
 MODEL_LINES = 6
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import Service, start_service
+from tests.support.harness import Service, start_service
 
 schemathesis = pytest.importorskip("schemathesis")
 

@@ -16,7 +16,7 @@ from shared.config import (
     preload_allocator,
 )
 from worker.engine.config import SETTING_NAMES, EngineConfig
-from worker.engine.scheduler import SchedulerConfig
+from worker.engine.core.scheduler import SchedulerConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -14,15 +14,15 @@ from typing import Any
 from shared.errors import InvalidRequestError, check_context_length
 from shared.grammar import GrammarError
 from shared.tokenizer import Tokenizer, load_tokenizer
-from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig
+from worker.engine.core.block_manager import BlockManager
+from worker.engine.core.outputs import SampledToken
+from worker.engine.core.request import Request, RequestStatus
+from worker.engine.core.sampling_params import SamplingParams
+from worker.engine.core.scheduler import Scheduler, SchedulerConfig
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.executor import Executor, build_executor
 from worker.engine.inputs import tokenize_prompt
-from worker.engine.outputs import SampledToken
-from worker.engine.request import Request, RequestStatus
-from worker.engine.sampling_params import SamplingParams
-from worker.engine.scheduler import Scheduler, SchedulerConfig
 from worker.engine.structured import GrammarCompiler, GrammarMatcher
 
 logger = logging.getLogger(__name__)

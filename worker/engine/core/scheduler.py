@@ -19,10 +19,10 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from worker.engine.block_manager import BlockManager, cdiv
-from worker.engine.ngram import NgramProposer, can_speculate
-from worker.engine.outputs import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
-from worker.engine.request import Request, RequestStatus
+from worker.engine.core.block_manager import BlockManager, cdiv
+from worker.engine.core.ngram import NgramProposer, can_speculate
+from worker.engine.core.outputs import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
+from worker.engine.core.request import Request, RequestStatus
 
 
 @dataclass

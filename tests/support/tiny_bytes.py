@@ -79,7 +79,7 @@ def add_byte_tokenizer(model_dir: Path, chat_template: str = QWEN_TOOLS_TEMPLATE
 
 def tiny_byte_model_dir(family: str, root: Path, seed: int = 0) -> Path:
     """A tiny random model of `family` with the byte-level tokenizer and tools template."""
-    from tests.engine.tiny_models import tiny_model_dir
+    from tests.support.tiny_models import tiny_model_dir
 
     path = tiny_model_dir(
         family,
