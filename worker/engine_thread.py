@@ -12,7 +12,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from worker.engine.engine import LLMEngine, PreparedRequest, SequenceOutput
+from worker.engine.engine import EngineStats, LLMEngine, PreparedRequest, SequenceOutput
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +80,8 @@ class EngineThread:
     `on_outputs` is called on the engine thread after every step with that step's outputs;
     it must only hand them over (e.g. `loop.call_soon_threadsafe`), never block. `host` is
     the thread the engine was built on (see `EngineHost`); without one it gets its own.
+    `stats` is the engine's state as of its last step or command, published by the engine
+    thread: the event loop and the heartbeat read it instead of calling into the engine.
     """
 
     def __init__(
@@ -98,6 +100,7 @@ class EngineThread:
         self._stopping = threading.Event()
         self.num_steps = 0
         self.step_started_at: float | None = None  # monotonic; None between steps
+        self.stats: EngineStats = engine.stats()  # the engine thread has not started yet
 
     def start(self) -> None:
         if self._host is None:
@@ -140,6 +143,7 @@ class EngineThread:
             finally:
                 self.step_started_at = None
             self.num_steps += 1
+            self.stats = self.engine.stats()
             if outputs:
                 self._on_outputs(outputs)
 
@@ -148,6 +152,7 @@ class EngineThread:
         for request_id in self.engine.request_ids():
             self.engine.abort_request(request_id)
             self._on_reject(request_id, EngineStepError(f"engine step failed: {exc!r}"))
+        self.stats = self.engine.stats()
 
     def _drain_commands(self, block: bool) -> None:
         try:
@@ -159,7 +164,8 @@ class EngineThread:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
-                return
+                break
+        self.stats = self.engine.stats()
 
     def _apply(self, command: _Add | _Abort) -> None:
         if isinstance(command, _Abort):

@@ -31,10 +31,10 @@ from worker.engine.core.sampling_params import SamplingParams
 from worker.engine.engine import LLMEngine, PreparedRequest
 from worker.engine_thread import EngineHost, EngineStepError, EngineThread
 from worker.job_state import JobState, job_for, new_engine_request_id
+from worker.job_writer import JobWriter
 from worker.listener import Listener
 from worker.metrics import WorkerMetricsRecorder
 from worker.publisher import Publisher
-from worker.store import JobStore
 from worker.tracing import record_attempt
 from worker.watchdog import StallWatchdog
 
@@ -61,7 +61,7 @@ class WorkerService:
         self.redis = redis
         self.worker_id = worker_id
         self.keys = Keys(settings.key_prefix)
-        self.store = JobStore(redis, self.keys, settings.job_ttl_s, settings.stream_maxlen)
+        self.store = JobWriter(redis, self.keys, settings.job_ttl_s, settings.stream_maxlen)
         self.jobs: dict[str, JobState] = {}
         self.num_pending = 0
         self.draining = False

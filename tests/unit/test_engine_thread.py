@@ -27,6 +27,9 @@ class FlakyEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.held)
 
+    def stats(self) -> int:
+        return len(self.held)
+
     def step(self) -> list[str]:
         self.num_steps += 1
         if self.num_steps == 1:
@@ -105,3 +108,23 @@ def test_an_exception_in_a_hosted_call_reaches_the_caller() -> None:
         assert host.submit(int, "7").result(timeout=5) == 7  # the thread carries on
     finally:
         host.close()
+
+
+def test_stats_are_a_snapshot_published_by_the_engine_thread() -> None:
+    """Others read `thread.stats`; only the engine thread calls `engine.stats()` once started."""
+    engine = FlakyEngine()
+    engine.num_steps = 1  # no failing first step here
+    callers: list[int] = []
+    held = engine.stats
+    engine.stats = lambda: (callers.append(threading.get_ident()), held())[1]  # type: ignore[method-assign]
+    done = threading.Event()
+    thread = EngineThread(engine, lambda outputs: done.set(), lambda rid, exc: None)
+    assert thread.stats == 0 and callers == [threading.get_ident()]  # before start: no race
+    thread.add(Prepared("a"))
+    thread.start()
+    try:
+        assert done.wait(5)
+        assert thread.stats == 0  # the step finished "a", and the snapshot says so
+        assert set(callers[1:]) == {thread._host.thread.ident}  # type: ignore[union-attr]
+    finally:
+        thread.stop()

@@ -61,7 +61,7 @@ redis.call('EXPIRE', KEYS[5], ARGV[3])
 ).replace("FINAL_STATUSES_LUA", FINAL_STATUSES_LUA)
 
 
-class JobStore:
+class JobWriter:
     """Every method waits out a Redis outage (retry with backoff up to `deadline_s`)."""
 
     def __init__(
