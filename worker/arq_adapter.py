@@ -20,7 +20,7 @@ from arq.worker import Worker, func
 from redis.exceptions import RedisError
 
 from shared.config import Settings
-from shared.contracts import ErrorEvent, JobPayload, Lane
+from shared.contracts import ErrorEvent, JobPayload, Lane, error_event
 from shared.keys import Keys
 from shared.logging import job_id_var, request_id_var
 from shared.queue import RUN_COMPLETION, deserialize_job, serialize_job
@@ -62,7 +62,7 @@ async def run_completion(ctx: dict[str, Any], payload_json: str) -> str:
         logger.exception("job %s failed", payload.id)
         await service.fail(
             payload.id,
-            ErrorEvent(status=500, error_type="server_error", message=f"worker error: {exc}"),
+            error_event(exc, message=f"worker error: {exc}"),
         )
         return "failed"
 

@@ -139,3 +139,24 @@ def test_metric_groups() -> None:
         "llm_inter_token_latency_seconds",
     ):
         assert name in worker_text
+
+
+def test_an_exception_becomes_one_error_event_keeping_param_and_code() -> None:
+    from shared.contracts import error_event
+    from shared.errors import InvalidRequestError
+
+    refused = InvalidRequestError("too long", param="messages", code="context_length_exceeded")
+    event = error_event(refused, 500)  # a request error is a 400 whatever the caller's default
+    assert (event.status, event.error_type, event.param, event.code) == (
+        400,
+        "invalid_request_error",
+        "messages",
+        "context_length_exceeded",
+    )
+    crash = error_event(RuntimeError("boom"), code="worker_lost")
+    assert (crash.status, crash.error_type, crash.message, crash.code) == (
+        500,
+        "server_error",
+        "boom",
+        "worker_lost",
+    )
