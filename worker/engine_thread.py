@@ -25,12 +25,9 @@ class EngineHost:
     """One daemon thread that runs, in order, every call handed to it: build the engine here
     (`submit(LLMEngine, config)`), then step it here (`EngineThread(..., host=host)`).
 
-    OpenMP keeps a team of worker threads per thread that starts parallel work. An engine
-    built (weights, kernel timing, compile) on one thread and stepped on another leaves two
-    teams, and libgomp, counting more threads than cores, cuts its spin-wait to almost
-    nothing: every matmul then wakes its helper thread through the kernel. One sequence's
-    decode step took 39-42 ms that way against 26-28 ms with both on one thread (2 cores,
-    docs/benchmarks.md "One OpenMP team").
+    Why: OpenMP keeps one team of helper threads per thread that starts parallel work, and
+    with two teams libgomp stops spinning between matmuls (docs/benchmarks.md, "One OpenMP
+    team").
     """
 
     def __init__(self, name: str = "engine") -> None:
