@@ -112,9 +112,13 @@ async def ask(client: httpx.AsyncClient, model: str, text: str, max_tokens: int,
     response.raise_for_status()
     data = response.json()
     choice = data["choices"][0]
-    details = data["usage"].get("prompt_tokens_details") or {}
+    usage = data["usage"]
+    details = usage.get("prompt_tokens_details") or {}
     return Answer(
-        choice["message"]["content"], choice["finish_reason"], details.get("cached_tokens", 0)
+        choice["message"]["content"],
+        choice["finish_reason"],
+        details.get("cached_tokens", 0),
+        usage["prompt_tokens"],
     )
 
 
@@ -194,7 +198,8 @@ def summarize(report: Report, texts: list[str]) -> tuple[str, bool]:
         if i in first and a.text != first[i].text
     ][:10]
     table = (
-        "| pass | answers | identical to alone | prompt cached | time |\n|---|---|---|---|---|\n"
+        "| pass | answers | identical to alone | prompt's full blocks cached | time |\n"
+        "|---|---|---|---|---|\n"
     )
     return table + "\n".join(lines) + (
         "\n\nFirst differences:\n" + "\n".join(diffs) if diffs else ""
