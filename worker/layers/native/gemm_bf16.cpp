@@ -210,23 +210,34 @@ void amx_blocks(const uint16_t* x, int64_t ldx, int64_t pairs, const uint16_t* b
 
 #undef LADLE_AMX_STEP
 
+// Rows of x per pass over a thread's weight groups: x's slice (128 x K) and a group's four
+// blocks both stay in L2, so each weight streams from memory M / 128 times, not M / 16.
+constexpr int64_t kAmxRowBlock = 128;
+
 void gemm_amx(const uint16_t* x, const uint16_t* packed, const float* bias, uint16_t* y,
               int64_t M, int64_t N, int64_t K) {
   const int64_t pairs = K / 2, blocks = N / kRows;
   const int64_t groups = blocks / kAmxBlocks;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float sums[kAmxBlocks * 16 * kRows];
-    for (int64_t m0 = 0; m0 < M; m0 += 16) {
-      const int64_t rows = M - m0 < 16 ? M - m0 : 16;
-      configure_tiles(rows);
+    int64_t configured = -1;
+    for (int64_t mb = 0; mb < M; mb += kAmxRowBlock) {
+      const int64_t mb_end = M - mb < kAmxRowBlock ? M : mb + kAmxRowBlock;
       for (int64_t g = begin; g < end; ++g) {
         const int64_t b0 = g * kAmxBlocks;
-        amx_blocks(x + m0 * K, K, pairs, packed + b0 * pairs * 2 * kRows, sums);
-        for (int n = 0; n < kAmxBlocks; ++n) {
-          const float* bb = bias ? bias + (b0 + n) * kRows : nullptr;
-          for (int64_t m = 0; m < rows; ++m)
-            store_bf16(y + (m0 + m) * N + (b0 + n) * kRows,
-                       with_bias(_mm512_load_ps(sums + (n * 16 + m) * kRows), bb));
+        for (int64_t m0 = mb; m0 < mb_end; m0 += 16) {
+          const int64_t rows = mb_end - m0 < 16 ? mb_end - m0 : 16;
+          if (rows != configured) {
+            configure_tiles(rows);
+            configured = rows;
+          }
+          amx_blocks(x + m0 * K, K, pairs, packed + b0 * pairs * 2 * kRows, sums);
+          for (int n = 0; n < kAmxBlocks; ++n) {
+            const float* bb = bias ? bias + (b0 + n) * kRows : nullptr;
+            for (int64_t m = 0; m < rows; ++m)
+              store_bf16(y + (m0 + m) * N + (b0 + n) * kRows,
+                         with_bias(_mm512_load_ps(sums + (n * 16 + m) * kRows), bb));
+          }
         }
       }
     }
