@@ -54,7 +54,7 @@ class BertEmbeddings(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids: torch.Tensor | None
     ) -> torch.Tensor:
-        if token_type_ids is None:
+        if token_type_ids is None or self.token_type_embeddings.num_embeddings == 1:
             token_type_ids = torch.zeros_like(input_ids)
         hidden = (
             self.word_embeddings(input_ids)
