@@ -123,7 +123,7 @@ def test_short_inputs_share_one_forward_within_the_token_budget(bert_dir: Path) 
         sizes.append(len(outputs))
         assert sum(o.num_tokens for o in outputs) <= 64
     assert sizes == [12, 12, 12, 4]
-    assert engine.stats.num_inputs == 40 and engine.stats.num_tokens == 200
+    assert engine.counters.num_inputs == 40 and engine.counters.num_tokens == 200
 
 
 def test_interactive_inputs_run_before_batch_lines(bert_dir: Path) -> None:

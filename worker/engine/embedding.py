@@ -15,13 +15,18 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from shared.contracts import JobPayload
 from shared.errors import InvalidRequestError, check_input_length
+from worker.engine.config import EngineConfig
+from worker.engine.engine import EngineStats
+from worker.engine.executor import configure_threads
 from worker.engine.pooling import finish_vector, pool
 from worker.layers.dense_attention import build_dense_batch, dense_batch
-from worker.models.pooling_loader import LoadedPoolingModel
+from worker.models.pooling_loader import LoadedPoolingModel, load_pooling_model
 
 LANE_ORDER = {"interactive": 0, "batch": 1}
 
@@ -36,7 +41,17 @@ class EmbeddingRequest:
     dimensions: int | None = None
     priority: int = 0
     lane: str = "interactive"
+    index: int = 0  # the input's place in its job (a job of many inputs shares one id)
     arrival: int = 0
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.request_id, self.index
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        """The generator's name for a request's input ids (the worker counts usage by it)."""
+        return self.token_ids
 
 
 @dataclass
@@ -47,6 +62,7 @@ class EmbeddingOutput:
     num_tokens: int
     vector: torch.Tensor | None = None
     score: float | None = None
+    index: int = 0
     finished: bool = True
 
 
@@ -56,7 +72,21 @@ class EmbeddingStats:
     num_inputs: int = 0
     num_tokens: int = 0
     last_step_inputs: int = 0
+    last_step_tokens: int = 0
     started_at: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class PoolingExecutorInfo:
+    """What the worker record says about how the model runs (the generator's executor has
+    the same attributes): plain torch, no compiled forward or kernel plan."""
+
+    device: str
+    dtype: str
+    compiled: bool = False
+    deterministic: bool = False
+    deterministic_reason: str = "embedding models run eager torch"
+    kernels: dict[str, str] = field(default_factory=lambda: {"forward": "eager"})
 
 
 class EmbeddingRunner:
@@ -74,13 +104,15 @@ class EmbeddingRunner:
         if self.loaded.task == "score":
             scores = self._scores(hidden, seq_lens)
             return [
-                EmbeddingOutput(r.request_id, n, score=s)
+                EmbeddingOutput(r.request_id, n, score=s, index=r.index)
                 for r, n, s in zip(requests, seq_lens, scores, strict=True)
             ]
         pooled = pool(hidden, seq_lens, self.loaded.pooling.mode).cpu()
         normalize = self.loaded.pooling.normalize
         return [
-            EmbeddingOutput(r.request_id, n, vector=finish_vector(v, normalize, r.dimensions))
+            EmbeddingOutput(
+                r.request_id, n, vector=finish_vector(v, normalize, r.dimensions), index=r.index
+            )
             for r, n, v in zip(requests, seq_lens, pooled, strict=True)
         ]
 
@@ -119,9 +151,22 @@ class EmbeddingEngine:
         # an input is never split, so the budget holds at least the longest one
         self.max_num_batched_tokens = max(max_num_batched_tokens, self.max_model_len)
         self.max_num_seqs = max_num_seqs
-        self.waiting: dict[str, EmbeddingRequest] = {}
-        self.stats = EmbeddingStats()
+        self.waiting: dict[tuple[str, int], EmbeddingRequest] = {}
+        self.counters = EmbeddingStats()
         self._arrivals = itertools.count()
+        self.executor = PoolingExecutorInfo(
+            str(loaded.device), str(loaded.dtype).removeprefix("torch.")
+        )
+
+    def model_info(self) -> dict[str, Any]:
+        """The worker record's fields for this model: its task and vector sizes."""
+        pooling = self.loaded.pooling
+        matryoshka = pooling.matryoshka_dimensions
+        return {
+            "task": self.loaded.task,
+            "embedding_size": self.loaded.hidden_size if self.loaded.task == "embed" else 0,
+            "matryoshka_dimensions": None if matryoshka is None else list(matryoshka),
+        }
 
     def prepare(self, request: EmbeddingRequest, param: str = "input") -> EmbeddingRequest:
         """Validate an input's length, ids and `dimensions` (InvalidRequestError if bad)."""
@@ -133,21 +178,41 @@ class EmbeddingEngine:
         check_dimensions(self.loaded, request.dimensions)
         return request
 
+    def prepare_job(self, payload: JobPayload, request_id: str) -> list[EmbeddingRequest]:
+        """One validated input per prompt of an embedding or scoring job, under one id."""
+        spec = payload.pooling
+        types = spec.token_type_batch if spec is not None else None
+        requests = [
+            EmbeddingRequest(
+                request_id,
+                ids,
+                token_type_ids=types[i] if types else None,
+                dimensions=spec.dimensions if spec is not None else None,
+                priority=payload.priority,
+                lane=payload.lane,
+                index=i,
+            )
+            for i, ids in enumerate(payload.prompts)
+        ]
+        return [self.prepare(r, payload.prompt_param) for r in requests]
+
     def add_request(self, request: EmbeddingRequest) -> None:
-        if request.request_id in self.waiting:
-            raise ValueError(f"request id {request.request_id!r} already added")
+        if request.key in self.waiting:
+            raise ValueError(f"input {request.key!r} already added")
         self.prepare(request)
         request.arrival = next(self._arrivals)
-        self.waiting[request.request_id] = request
+        self.waiting[request.key] = request
 
     def abort_request(self, request_id: str) -> None:
-        self.waiting.pop(request_id, None)
+        """Drop every input of `request_id` not yet run."""
+        for key in [k for k in self.waiting if k[0] == request_id]:
+            del self.waiting[key]
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting)
 
     def request_ids(self) -> list[str]:
-        return list(self.waiting)
+        return list(dict.fromkeys(k[0] for k in self.waiting))
 
     def schedule(self) -> list[EmbeddingRequest]:
         """The next step's inputs: in order, while the budget and the sequence cap allow."""
@@ -169,12 +234,30 @@ class EmbeddingEngine:
             return []
         outputs = self.runner.run(chosen)
         for request in chosen:
-            del self.waiting[request.request_id]
-        self.stats.num_steps += 1
-        self.stats.num_inputs += len(chosen)
-        self.stats.num_tokens += sum(o.num_tokens for o in outputs)
-        self.stats.last_step_inputs = len(chosen)
+            del self.waiting[request.key]
+        self.counters.num_steps += 1
+        self.counters.num_inputs += len(chosen)
+        self.counters.num_tokens += sum(o.num_tokens for o in outputs)
+        self.counters.last_step_inputs = len(chosen)
+        self.counters.last_step_tokens = sum(o.num_tokens for o in outputs)
         return outputs
+
+    def stats(self) -> EngineStats:
+        """The generator's stats shape, which the worker's heartbeat and metrics read: no KV
+        cache, nothing running between steps."""
+        return EngineStats(
+            num_running=0,
+            num_waiting=len(self.request_ids()),  # jobs, as admission counts them
+            num_blocks_used=0,
+            num_blocks_total=0,
+            block_size=0,
+            kv_bytes_per_block=0,
+            num_preemptions_total=0,
+            num_prefix_query_tokens=0,
+            num_prefix_hit_tokens=0,
+            last_batch_size=self.counters.last_step_inputs,
+            last_num_batched_tokens=self.counters.last_step_tokens,
+        )
 
 
 def check_dimensions(loaded: LoadedPoolingModel, dimensions: int | None) -> None:
@@ -194,3 +277,16 @@ def check_dimensions(loaded: LoadedPoolingModel, dimensions: int | None) -> None
 
 def _order_key(request: EmbeddingRequest) -> tuple[int, int, int]:
     return LANE_ORDER.get(request.lane, 1), request.priority, request.arrival
+
+
+def build_embedding_engine(config: EngineConfig) -> EmbeddingEngine:
+    """The worker's engine for an embedding model or cross-encoder, from its settings."""
+    configure_threads(config.num_threads)
+    loaded = load_pooling_model(
+        config.model,
+        dtype=config.dtype,
+        device=config.device,
+        cache_dir=config.cache_dir,
+        max_model_len=config.max_model_len,
+    )
+    return EmbeddingEngine(loaded, config.max_num_batched_tokens, config.max_num_seqs)
