@@ -11,15 +11,15 @@ import torch
 import torch.nn.functional as F
 
 from shared.errors import InvalidRequestError
-from tests.engine.conftest import add_tiny_tokenizer
-from tests.engine.tiny_encoders import (
+from tests.support.engines import add_tiny_tokenizer
+from tests.support.tiny_encoders import (
     TEXTS,
     reference,
     sentence_model_dir,
     tiny_cross_encoder_dir,
     tiny_encoder_dir,
 )
-from tests.engine.tiny_models import tiny_config
+from tests.support.tiny_models import tiny_config
 from worker.engine.embed_offline import Embedder
 from worker.engine.embedding import EmbeddingEngine, EmbeddingRequest
 from worker.models.pooling_loader import is_pooling_model, load_pooling_model
@@ -66,7 +66,7 @@ def test_encoder_matches_sentence_transformers(
 def _decoder_dir(root: Path) -> Path:
     from transformers import AutoModel
 
-    from tests.engine.tiny_encoders import randomise
+    from tests.support.tiny_encoders import randomise
 
     config = tiny_config("qwen3")
     config.architectures = ["Qwen3Model"]
