@@ -138,6 +138,8 @@ class PoolingSpec(BaseModel):
     token_type_batch: list[list[int]] | None = None
     dimensions: int | None = Field(None, ge=1)
     pairs: list[tuple[int, int]] | None = None
+    # how the response carries vectors (the batch collector formats lines from the payload)
+    encoding_format: Literal["float", "base64"] = "float"
 
 
 class PoolingResult(BaseModel):
