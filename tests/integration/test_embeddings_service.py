@@ -36,7 +36,9 @@ def svc(
     tiny_service_model: Path, models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Service]:
     """Worker 0 chats (the default model), 1 embeds (`embed`), 2 scores (`reranker`)."""
-    service = start_service(tiny_service_model, tmp_path_factory.mktemp("pool-logs"), 1)
+    service = start_service(
+        tiny_service_model, tmp_path_factory.mktemp("pool-logs"), 1, batch_poll_s=0.2
+    )
     for name, path in models.items():
         service.start_worker(model_name=path, served_model_name=name)
     try:
