@@ -93,8 +93,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         up.stop()
         cleanup(up)
+    command = " ".join(
+        [Path(sys.executable).name, "-m", "loadtest.batch_embeddings", *sys.argv[1:]]
+    )
     return {
         **machine(),
+        "command": command,
         "lines": args.lines,
         "output_lines": len(output),
         "completed": final.request_counts.completed,
