@@ -164,7 +164,7 @@ def test_bad_inputs_are_openai_400s(
         assert error["code"] == code
 
 
-def test_truncation_on_request_and_metrics_by_endpoint(svc: Service) -> None:
+def test_truncation_metrics_and_the_fleet(svc: Service) -> None:
     with svc.client() as client:
         long_input = " ".join(["w7"] * 60)
         body = {"model": "embed", "input": long_input, "truncate_prompt_tokens": 48}
@@ -172,6 +172,12 @@ def test_truncation_on_request_and_metrics_by_endpoint(svc: Service) -> None:
         assert response.status_code == 200, response.text
         assert response.json()["usage"]["prompt_tokens"] == 48
         metrics = client.get("/metrics").text
+        fleet = client.get("/v1/workers").json()["data"]
+    assert {w["model"]: w["task"] for w in fleet if w["task"] != "generate"} == {
+        "embed": "embed",
+        "reranker": "score",
+    }
+    assert next(w for w in fleet if w["model"] == "embed")["embedding_size"] == 64
     assert 'llm_prompt_tokens_total{endpoint="embeddings"}' in metrics
     assert 'llm_requests_total{endpoint="/v1/embeddings",status="200"}' in metrics
 
