@@ -67,16 +67,10 @@ def load_pooling_model(
     architecture = pooling_architecture(config, (model_dir / "modules.json").exists())
     if architecture is None:
         raise ValueError(f"{model_dir} is not an embedding or cross-encoder model")
-    with torch.device("meta"):  # no random init: every weight comes from the checkpoint
-        model = build_pooling_model(config, architecture, int(config.max_position_embeddings))
-    pooling = read_pooling_config(model_dir, config.to_dict(), model.is_causal)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
-    with torch.no_grad():
-        model.to_empty(device=torch_device).to(torch_dtype)
-        model.load_weights(checkpoint_tensors(weights_dir))
-        model.post_load()
-    model.eval()
+    model = _built(config, architecture, weights_dir, torch_device, torch_dtype)
+    pooling = read_pooling_config(model_dir, config.to_dict(), model.is_causal)
     log.info(
         "loaded %s (%s, %s, %s) in %.1fs",
         model_dir,
@@ -98,6 +92,18 @@ def load_pooling_model(
         hidden_size=int(config.hidden_size),
         score_activation=_score_activation(config, model.num_labels),
     )
+
+
+def _built(
+    config: Any, architecture: str, weights_dir: Path, device: torch.device, dtype: torch.dtype
+) -> nn.Module:
+    with torch.device("meta"):  # no random init: every weight comes from the checkpoint
+        model = build_pooling_model(config, architecture, int(config.max_position_embeddings))
+    with torch.no_grad():
+        model.to_empty(device=device).to(dtype)
+        model.load_weights(checkpoint_tensors(weights_dir))
+        model.post_load()
+    return model.eval()
 
 
 def checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
