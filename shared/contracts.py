@@ -15,7 +15,12 @@ from shared.errors import InvalidRequestError
 
 WIRE_VERSION = 1
 
-Endpoint = Literal["completions", "chat.completions"]
+Endpoint = Literal["completions", "chat.completions", "embeddings", "rerank", "score"]
+# Endpoints served by embedding and cross-encoder workers: whole inputs in, vectors or
+# scores out (no tokens generated, no stream of deltas).
+POOLING_ENDPOINTS: frozenset[str] = frozenset({"embeddings", "rerank", "score"})
+# What a worker's model does: generate tokens, embed inputs, or score pairs (cross-encoder).
+ModelTask = Literal["generate", "embed", "score"]
 # Interactive requests run before batch lines, always (queues, admission, the scheduler).
 Lane = Literal["interactive", "batch"]
 JobStatus = Literal["queued", "in_progress", "completed", "failed", "cancelled"]
@@ -122,6 +127,31 @@ class ToolCallSpec(BaseModel):
     function: str | None = None
 
 
+class PoolingSpec(BaseModel):
+    """An embedding or scoring job's inputs beyond their token ids (`JobPayload.prompts`).
+
+    `token_type_batch`: each input's segment ids, for a cross-encoder's (query, document)
+    pairs; `dimensions`: Matryoshka truncation of each vector; `pairs`: for rerank and score
+    on an embedding model, which inputs' vectors each score compares (cosine).
+    """
+
+    token_type_batch: list[list[int]] | None = None
+    dimensions: int | None = Field(None, ge=1)
+    pairs: list[tuple[int, int]] | None = None
+    # how the response carries vectors (the batch collector formats lines from the payload)
+    encoding_format: Literal["float", "base64"] = "float"
+
+
+class PoolingResult(BaseModel):
+    """An embedding or scoring job's output: every input's vector as little-endian float32
+    (base64, `dims` per vector, in input order), or one score per pair or input."""
+
+    dims: int = 0
+    vectors_b64: str | None = None
+    scores: list[float] | None = None
+    scoring: Literal["cross-encoder", "cosine"] | None = None
+
+
 class JobPayload(_Wire):
     """One normalised completion request, as the API enqueues it.
 
@@ -143,6 +173,7 @@ class JobPayload(_Wire):
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
     structured: StructuredSpec | None = None
     tool_calls: ToolCallSpec | None = None
+    pooling: PoolingSpec | None = None
     stream: bool = False
     priority: int = 0
     lane: Lane = "interactive"
@@ -165,6 +196,8 @@ class JobPayload(_Wire):
     @property
     def prompt_param(self) -> str:
         """The request field an error about the prompt names."""
+        if self.endpoint in POOLING_ENDPOINTS:
+            return "input" if self.endpoint == "embeddings" else "documents"
         return "messages" if self.endpoint == "chat.completions" else "prompt"
 
 
@@ -241,6 +274,7 @@ class DoneEvent(_Wire):
     choices: list[ChoiceEnd]
     usage: Usage
     timings: Timings = Field(default_factory=Timings)
+    pooling: PoolingResult | None = None
 
 
 class ErrorEvent(_Wire):
@@ -306,6 +340,11 @@ class WorkerRecord(_Wire):
     pid: int
     model: str
     model_source: str = ""  # the worker's LLM_MODEL_NAME: where its tokenizer loads from
+    task: ModelTask = "generate"
+    # embedding models: the vector size, and the Matryoshka sizes (None: no `dimensions`;
+    # empty: any size up to `embedding_size`)
+    embedding_size: int = 0
+    matryoshka_dimensions: list[int] | None = None
     device: str
     dtype: str
     compiled: bool = False  # forward compiled by inductor (LLM_COMPILE)
@@ -359,11 +398,19 @@ class ModelInfo(_Wire):
     name: str
     source: str
     max_model_len: int
+    task: ModelTask = "generate"
+    embedding_size: int = 0
+    matryoshka_dimensions: list[int] | None = None
 
     @classmethod
     def of(cls, record: WorkerRecord) -> ModelInfo:
         return cls(
-            name=record.model, source=record.model_source, max_model_len=record.max_model_len
+            name=record.model,
+            source=record.model_source,
+            max_model_len=record.max_model_len,
+            task=record.task,
+            embedding_size=record.embedding_size,
+            matryoshka_dimensions=record.matryoshka_dimensions,
         )
 
 
@@ -382,6 +429,7 @@ class JobResult(BaseModel):
     choices: list[ChoiceResult]
     usage: Usage
     timings: Timings = Field(default_factory=Timings)
+    pooling: PoolingResult | None = None
 
 
 class TokenReservation(BaseModel):

@@ -36,3 +36,16 @@ def check_context_length(
     else:
         return max_tokens if max_tokens is not None else max_model_len - num_prompt_tokens
     raise InvalidRequestError(head + detail, param=param, code="context_length_exceeded")
+
+
+def check_input_length(num_tokens: int, max_model_len: int, param: str = "input") -> None:
+    """Raise context_length_exceeded for an embedding or scoring input longer than the model
+    takes (nothing is generated, so an input may fill the whole context)."""
+    if num_tokens > max_model_len:
+        raise InvalidRequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"input has {num_tokens} tokens. Please reduce the length of the input, or set "
+            "truncate_prompt_tokens.",
+            param=param,
+            code="context_length_exceeded",
+        )

@@ -55,7 +55,9 @@ RELAY_PAUSED = MetricSpec(
 )
 PENDING_REQUESTS = MetricSpec("llm_pending_requests", "jobs in the queue (arq zset)", Gauge)
 THROUGHPUT_TOKENS = MetricSpec("llm_throughput_tokens", "tokens processed", Counter, ("kind",))
-PROMPT_TOKENS = MetricSpec("llm_prompt_tokens", "prompt tokens processed", Counter)
+PROMPT_TOKENS = MetricSpec(
+    "llm_prompt_tokens", "prompt (or embedding input) tokens processed", Counter, ("endpoint",)
+)
 GENERATION_TOKENS = MetricSpec("llm_generation_tokens", "tokens generated", Counter)
 TIME_TO_FIRST_TOKEN = MetricSpec(
     "llm_time_to_first_token_seconds", "time to first token", Histogram, (), LATENCY_BUCKETS

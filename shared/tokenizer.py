@@ -26,7 +26,7 @@ def load_tokenizer(model_ref: str, cache_dir: str | None = None) -> Tokenizer:
     """
     from transformers import AutoTokenizer
 
-    source = resolve_model(model_ref)
+    source = resolve_model(model_ref, cache_dir)
     directory = _tokenizer_dir(source, cache_dir)
     if directory is not None:
         hf = AutoTokenizer.from_pretrained(str(directory))

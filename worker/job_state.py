@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from shared.contracts import (
+    POOLING_ENDPOINTS,
     ChoiceEnd,
     ChoiceResult,
     DeltaEvent,
@@ -16,6 +17,7 @@ from shared.contracts import (
     ErrorEvent,
     JobPayload,
     JobResult,
+    PoolingResult,
     Timings,
     TokenLogprob,
     TopLogprob,
@@ -23,7 +25,9 @@ from shared.contracts import (
 )
 from shared.tokenizer import Tokenizer
 from worker.engine.core.outputs import SampledToken
+from worker.engine.embedding import EmbeddingOutput
 from worker.engine.engine import SequenceOutput
+from worker.pooled import PooledOutputs
 
 
 @dataclass
@@ -70,6 +74,7 @@ class JobState:
     error: ErrorEvent | None = None
     record_json: str | None = None  # the in-progress record, put back if Redis loses it
     engine_request_id: str = ""  # this attempt's id in the engine (`new_engine_request_id`)
+    pooled: PooledOutputs | None = None  # an embedding or scoring job's vectors or scores
 
     @classmethod
     def create(
@@ -85,14 +90,21 @@ class JobState:
         choices = [ChoiceState() for _ in range(payload.num_choices)]
         state = cls(payload, attempt, prompt_token_ids, loop.create_future(), choices, timings)
         state.engine_request_id = engine_request_id or new_engine_request_id(payload.id)
+        if payload.endpoint in POOLING_ENDPOINTS:
+            state.pooled = PooledOutputs(payload)
         return state
 
     @property
     def is_finished(self) -> bool:
         return all(choice.finish_reason is not None for choice in self.choices)
 
-    def apply(self, output: SequenceOutput, tokenizer: Tokenizer) -> DeltaEvent:
-        """Fold one sequence output into the job and return the delta event for it."""
+    def apply(
+        self, output: SequenceOutput | EmbeddingOutput, tokenizer: Tokenizer
+    ) -> DeltaEvent | None:
+        """Fold one engine output into the job; the delta event for it, if it has one (an
+        input's vector or score has none: the job's `done` carries them all)."""
+        if isinstance(output, EmbeddingOutput):
+            return self._apply_pooled(output)
         choice = self.choices[output.index]
         pos = len(choice.token_ids)
         choice.text += output.new_text
@@ -118,6 +130,18 @@ class JobState:
             pos=pos,
         )
 
+    def _apply_pooled(self, output: EmbeddingOutput) -> None:
+        assert self.pooled is not None
+        self.pooled.add(output)
+        self.choices[output.index].finish_reason = "stop"
+        now = time.time()
+        self.timings.first_token_at = self.timings.first_token_at or now
+        self.last_token_at = now
+        return None
+
+    def pooling_result(self) -> PoolingResult | None:
+        return self.pooled.result() if self.pooled is not None else None
+
     def usage(self) -> Usage:
         completion = sum(len(c.token_ids) for c in self.choices)
         prompt = len(self.prompt_token_ids)
@@ -134,7 +158,9 @@ class JobState:
             ChoiceEnd(index=i, finish_reason=c.finish_reason or "abort")
             for i, c in enumerate(self.choices)
         ]
-        return DoneEvent(choices=ends, usage=self.usage(), timings=self.timings)
+        return DoneEvent(
+            choices=ends, usage=self.usage(), timings=self.timings, pooling=self.pooling_result()
+        )
 
     def result(self) -> JobResult:
         choices = [
@@ -152,6 +178,7 @@ class JobState:
             choices=choices,
             usage=self.usage(),
             timings=self.timings,
+            pooling=self.pooling_result(),
         )
 
 

@@ -17,7 +17,8 @@ class WorkerMetricsRecorder:
         timings = job.timings
         if timings.queued_at is not None and timings.started_at is not None:
             self.metrics.queue_time.observe(max(timings.started_at - timings.queued_at, 0.0))
-        self.metrics.prompt_tokens.inc(len(job.prompt_token_ids))
+        endpoint = job.payload.endpoint
+        self.metrics.prompt_tokens.labels(endpoint=endpoint).inc(len(job.prompt_token_ids))
         self.metrics.throughput_tokens.labels(kind="prompt").inc(len(job.prompt_token_ids))
 
     def observe_token(self, job: JobState, previous_token_at: float | None) -> None:
@@ -35,7 +36,8 @@ class WorkerMetricsRecorder:
 
     def observe_steps(self, batches: list[list[SequenceOutput]]) -> None:
         for outputs in batches:
-            num_tokens = sum(len(o.new_token_ids) for o in outputs)
+            # an embedding step's outputs generate nothing (their inputs count as prompt)
+            num_tokens = sum(len(o.new_token_ids) for o in outputs if isinstance(o, SequenceOutput))
             self.num_generation_tokens += num_tokens
             self.metrics.generation_tokens.inc(num_tokens)
             self.metrics.throughput_tokens.labels(kind="generation").inc(num_tokens)

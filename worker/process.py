@@ -24,10 +24,12 @@ from shared.retry import FOREVER, Backoff, retry
 from shared.tokenizer import load_tokenizer
 from worker.arq_adapter import LadleWorker
 from worker.engine.config import EngineConfig
+from worker.engine.embedding import EmbeddingEngine, build_embedding_engine
 from worker.engine.engine import EngineStats, LLMEngine
 from worker.engine_thread import EngineHost
 from worker.heartbeat import Heartbeat, default_worker_id
 from worker.metrics import WorkerMetricsRecorder
+from worker.models.pooling_loader import is_pooling_model
 from worker.redis_settings import arq_redis_settings
 from worker.service import WorkerService
 
@@ -47,7 +49,8 @@ class WorkerProcess:
         tracing.configure(s.otel_endpoint, "ladle-worker", self.worker_id)
         started = time.perf_counter()
         host = EngineHost()  # built and stepped on one thread: one OpenMP team
-        engine = await asyncio.wrap_future(host.submit(LLMEngine, EngineConfig.from_settings(s)))
+        build = build_embedding_engine if is_pooling_model(s.model_name, s.cache_dir) else LLMEngine
+        engine = await asyncio.wrap_future(host.submit(build, EngineConfig.from_settings(s)))
         tokenizer = await asyncio.to_thread(load_tokenizer, s.model_name, s.cache_dir)
         logger.info(
             "engine ready in %.1f s (allocator: %s)",
@@ -124,8 +127,10 @@ class WorkerProcess:
             logger.error("the arq poll loop ended (%r); stopping", exc)
             self._stopping.set()
 
-    def _record(self, engine: LLMEngine, stats: EngineStats) -> WorkerRecord:
+    def _record(self, engine: LLMEngine | EmbeddingEngine, stats: EngineStats) -> WorkerRecord:
+        pooling = engine.model_info() if isinstance(engine, EmbeddingEngine) else {}
         return WorkerRecord(
+            **pooling,
             worker_id=self.worker_id,
             host=socket.gethostname(),
             pid=os.getpid(),

@@ -70,9 +70,11 @@ class Publisher:
                 if job is None or job.outcome.done():  # ended, or an earlier attempt's
                     continue
                 previous_token_at = job.last_token_at
-                entries.append((job.payload.id, job.apply(output, self.tokenizer)))
-                if self.metrics:
-                    self.metrics.observe_token(job, previous_token_at)
+                event = job.apply(output, self.tokenizer)
+                if event is not None:  # a vector or score waits for the job's `done`
+                    entries.append((job.payload.id, event))
+                    if self.metrics:
+                        self.metrics.observe_token(job, previous_token_at)
                 if job.is_finished:
                     finished.append(job)
         await self._write_events(entries)

@@ -18,6 +18,7 @@ from redis.asyncio import Redis
 from shared.config import Settings
 from shared.contracts import (
     FINAL_STATUSES,
+    POOLING_ENDPOINTS,
     ErrorEvent,
     JobPayload,
     JobRecord,
@@ -31,6 +32,7 @@ from shared.errors import InvalidRequestError
 from shared.keys import Keys
 from shared.tokenizer import Tokenizer
 from worker.engine.core.sampling_params import SamplingParams
+from worker.engine.embedding import EmbeddingEngine, EmbeddingRequest
 from worker.engine.engine import LLMEngine, PreparedRequest
 from worker.engine_thread import EngineHost, EngineStepError, EngineThread
 from worker.job_state import JobState, Outcome, job_for, new_engine_request_id
@@ -52,7 +54,7 @@ class WorkerService:
     def __init__(
         self,
         settings: Settings,
-        engine: LLMEngine,
+        engine: LLMEngine | EmbeddingEngine,
         tokenizer: Tokenizer,
         redis: Redis,
         worker_id: str,
@@ -202,9 +204,22 @@ class WorkerService:
         else:  # rejected by the engine
             await self._finish(record, "failed", job.error)
 
-    def _prepare(self, payload: JobPayload, engine_request_id: str) -> list[PreparedRequest]:
+    def _prepare(
+        self, payload: JobPayload, engine_request_id: str
+    ) -> list[PreparedRequest] | list[EmbeddingRequest]:
         """The job's token ids as the API sent them (never tokenized again) and its params:
-        one engine request per prompt, its choices numbered from prompt * n."""
+        one engine request per prompt, its choices numbered from prompt * n (an embedding
+        or scoring job: one input per prompt)."""
+        if isinstance(self.engine, EmbeddingEngine):
+            if payload.endpoint not in POOLING_ENDPOINTS:
+                raise InvalidRequestError(
+                    f"model {payload.model} serves embeddings and scores, not {payload.endpoint}"
+                )
+            return self.engine.prepare_job(payload, engine_request_id)
+        if payload.endpoint in POOLING_ENDPOINTS:
+            raise InvalidRequestError(
+                f"model {payload.model} generates text: no {payload.endpoint}"
+            )
         try:
             params = SamplingParams(**payload.sampling.model_dump())
         except ValueError as exc:

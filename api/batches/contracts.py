@@ -24,7 +24,7 @@ BatchStatus = Literal[
     "cancelled",
 ]
 FINAL_BATCH_STATUSES: frozenset[str] = frozenset({"failed", "completed", "expired", "cancelled"})
-BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 FilePurpose = Literal["batch", "batch_output", "user_data"]
 COMPLETION_WINDOWS = {"24h": 86_400}
 NO_OWNER = "-"  # the owner of files and batches when API keys are off

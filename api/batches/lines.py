@@ -14,12 +14,16 @@ from typing import Any
 
 from api.batches.contracts import NO_OWNER, BatchRecord, line_job_id
 from api.batches.files import BatchLine
+from api.embeddings.formatting import embedding_response
+from api.embeddings.inputs import JobOptions
+from api.embeddings.jobs import prepare_embedding
+from api.embeddings.protocol import EmbeddingRequest
 from api.errors import APIError
 from api.openai.admission import parse_dict, prepare_job, response_context
-from api.openai.formatting import build_response
+from api.openai.formatting import ResponseContext, build_response
 from api.openai.protocol import ChatCompletionRequest, CompletionRequest
 from api.services import Services
-from shared.contracts import JobRecord
+from shared.contracts import POOLING_ENDPOINTS, JobPayload, JobRecord, JobResult, PoolingResult
 from shared.keys import Keys
 
 _RECORD_RESULT = """
@@ -93,18 +97,8 @@ async def submit_line(
     line at once. Transient failures (5xx: Redis, tokenizer) raise, and the expansion is
     retried (the line's derived job id makes that harmless)."""
     job_id = line_job_id(batch.id, line.index)
-    model = CompletionRequest if line.url == "/v1/completions" else ChatCompletionRequest
     try:
-        body = parse_dict({**line.body, "stream": False}, model)
-        payload = await prepare_job(
-            services,
-            body,
-            api_key_id=api_key_of(batch),
-            deadline_s=None,
-            job_id=job_id,
-            lane="batch",
-            priority_range=batch.priority_range,
-        )
+        payload = await _line_payload(services, batch, line, job_id)
     except APIError as exc:
         if exc.status >= 500:
             raise
@@ -115,6 +109,40 @@ async def submit_line(
     await services.jobs.submit_line(payload, line.url)
 
 
+async def _line_payload(
+    services: Services, batch: BatchRecord, line: BatchLine, job_id: str
+) -> JobPayload:
+    """The line's job, checked as its endpoint checks a request (a 4xx is its error line)."""
+    if line.url == "/v1/embeddings":
+        options = JobOptions(
+            api_key_id=api_key_of(batch),
+            priority_range=batch.priority_range
+            or (services.settings.priority_min, services.settings.priority_max),
+            lane="batch",
+            job_id=job_id,
+        )
+        return await prepare_embedding(services, parse_dict(line.body, EmbeddingRequest), options)
+    model = CompletionRequest if line.url == "/v1/completions" else ChatCompletionRequest
+    return await prepare_job(
+        services,
+        parse_dict({**line.body, "stream": False}, model),
+        api_key_id=api_key_of(batch),
+        deadline_s=None,
+        job_id=job_id,
+        lane="batch",
+        priority_range=batch.priority_range,
+    )
+
+
+def _response_body(payload: JobPayload, result: JobResult, ctx: ResponseContext | None) -> dict:
+    if payload.endpoint == "embeddings":
+        encoding = payload.pooling.encoding_format if payload.pooling else "float"
+        pooled = result.pooling or PoolingResult()
+        return embedding_response(payload.model, pooled, result.usage, encoding)
+    assert ctx is not None
+    return build_response(ctx, result.choices, result.usage)
+
+
 async def finished_entry(
     services: Services, record: JobRecord, stop_code: str = "batch_cancelled"
 ) -> tuple[str, dict[str, Any]]:
@@ -123,8 +151,10 @@ async def finished_entry(
     if record.status == "completed" and record.result is not None:
         payload = await services.jobs.payload(record.id)
         if payload is not None:
-            ctx = await response_context(services, payload, include_usage=False)
-            body = build_response(ctx, record.result.choices, record.result.usage)
+            ctx = None
+            if payload.endpoint not in POOLING_ENDPOINTS:
+                ctx = await response_context(services, payload, include_usage=False)
+            body = _response_body(payload, record.result, ctx)
             return "ok", request_entry(record.id, 200, body)
     if record.status == "cancelled":
         return "err", stopped_entry(record.id, stop_code)

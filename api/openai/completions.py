@@ -21,7 +21,7 @@ from api.openai.formatting import Accumulator, ResponseContext, build_response, 
 from api.openai.protocol import URL_TO_ENDPOINT, OpenAIRequest
 from api.openai.streaming import StreamInconsistent, StreamTranslator
 from api.services import Services
-from shared.contracts import DoneEvent, ErrorEvent, StreamEvent
+from shared.contracts import POOLING_ENDPOINTS, DoneEvent, ErrorEvent, StreamEvent
 from shared.logging import job_id_var
 
 log = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ async def _json_response(request: Request, answer: _StartedJob) -> JSONResponse:
     if acc.error is not None:
         raise _job_error(acc.error, ctx.job_id)
     assert acc.done is not None
-    observe_done(answer.services, acc.done)
+    observe_done(answer.services, acc.done, answer.ctx.endpoint)
     answer.trace.finish(acc.done)
     result = build_response(ctx, acc.result(ctx.n), acc.done.usage)
     return JSONResponse(result, headers={"X-Job-Id": ctx.job_id})
@@ -158,14 +158,14 @@ async def _race(request: Request, work: Awaitable[T], deadline: float) -> T:
     raise TimeoutError
 
 
-def observe_done(services: Services, done: DoneEvent) -> None:
+def observe_done(services: Services, done: DoneEvent, endpoint: str) -> None:
     metrics, t = services.metrics, done.timings
-    metrics.prompt_tokens.inc(done.usage.prompt_tokens)
+    metrics.prompt_tokens.labels(endpoint=endpoint).inc(done.usage.prompt_tokens)
     metrics.generation_tokens.inc(done.usage.completion_tokens)
     if t.queued_at and t.started_at:
         metrics.queue_time.observe(max(0.0, t.started_at - t.queued_at))
         metrics.lane_wait.labels(lane="interactive").observe(max(0.0, t.started_at - t.queued_at))
-    if t.queued_at and t.first_token_at:
+    if t.queued_at and t.first_token_at and endpoint not in POOLING_ENDPOINTS:
         metrics.time_to_first_token.observe(max(0.0, t.first_token_at - t.queued_at))
     if t.queued_at and t.finished_at:
         metrics.e2e_latency.observe(max(0.0, t.finished_at - t.queued_at))
@@ -186,7 +186,7 @@ async def _sse(answer: _StartedJob) -> AsyncIterator[str]:
         if translator.error is not None:
             yield sse_data(APIError.from_event(translator.error).body())
         elif translator.done is not None:
-            observe_done(services, translator.done)
+            observe_done(services, translator.done, answer.ctx.endpoint)
         yield sse_data("[DONE]")
     except (TimeoutError, StreamInconsistent) as exc:
         status = 504 if isinstance(exc, TimeoutError) else 500

@@ -237,7 +237,7 @@ class BatchCreateRequest(_Body):
     """`POST /v1/batches`, as OpenAI takes it."""
 
     input_file_id: str = Field(min_length=1, max_length=200)
-    endpoint: Literal["/v1/chat/completions", "/v1/completions"]
+    endpoint: Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
     completion_window: Literal["24h"]
     metadata: dict[str, str] | None = None
 

@@ -81,6 +81,8 @@ async def workers(services: ServicesDep) -> dict:
             "host": w.host,
             "pid": w.pid,
             "model": w.model,
+            "task": w.task,
+            "embedding_size": w.embedding_size,
             "device": w.device,
             "dtype": w.dtype,
             "deterministic": w.deterministic,

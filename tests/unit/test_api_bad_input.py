@@ -244,9 +244,30 @@ CASES = [
     ),
     # Unknown route, wrong method.
     Case(
-        "unknown-route", "/v1/embeddings", {}, status=404, code=None, error_type="not_found_error"
+        "unknown-route", "/v1/audio/speech", {}, status=404, code=None, error_type="not_found_error"
     ),
     Case("wrong-method", CMPL, method="GET", status=405, code=None),
+    # Embeddings: the body's own checks come before the model's (400 naming the field).
+    Case("embed-no-input", "/v1/embeddings", {"model": "m"}, param="input"),
+    Case("embed-empty", "/v1/embeddings", {"model": "m", "input": []}, param="input"),
+    Case(
+        "embed-format",
+        "/v1/embeddings",
+        {"input": "a", "encoding_format": "x"},
+        param="encoding_format",
+    ),
+    Case("embed-dims", "/v1/embeddings", {"input": "a", "dimensions": 0}, param="dimensions"),
+    Case(
+        "embed-truncate",
+        "/v1/embeddings",
+        {"input": "a", "truncate_prompt_tokens": 0},
+        param="truncate_prompt_tokens",
+    ),
+    Case("rerank-no-docs", "/v1/rerank", {"query": "q", "documents": []}, param="documents"),
+    Case(
+        "rerank-top-n", "/v1/rerank", {"query": "q", "documents": ["d"], "top_n": 0}, param="top_n"
+    ),
+    Case("score-no-text", "/v1/score", {"text_1": "a"}, param="text_2"),
 ]
 
 

@@ -59,7 +59,12 @@ RULES = [
     ("api.keys", ("api.keys", "api.errors", "shared"), OURS),
     ("api.openai", ("api.openai", "api.jobs", *API_ROOT, "shared"), OURS),
     ("api.jobs", ("api.jobs", "api.openai", "api.keys", *API_ROOT, "shared"), OURS),
-    ("api.batches", ("api.batches", "api.openai", "api.jobs", *API_ROOT, "shared"), OURS),
+    ("api.embeddings", ("api.embeddings", "api.openai", "api.jobs", *API_ROOT, "shared"), OURS),
+    (
+        "api.batches",
+        ("api.batches", "api.openai", "api.embeddings", "api.jobs", *API_ROOT, "shared"),
+        OURS,
+    ),
     ("api.ops", ("api.ops", "api.jobs", *API_ROOT, "shared"), OURS),
     ("worker.layers", ("worker.layers", "shared"), (*OURS, *SERVICES)),
     ("worker.models", ("worker.models", "worker.layers", "shared"), (*OURS, *SERVICES)),

@@ -36,7 +36,7 @@ def test_good_lines_parse_in_order() -> None:
         ({**GOOD, "custom_id": ""}, "Line 2: custom_id must be a non-empty string"),
         ({**GOOD, "custom_id": "a"}, "Line 2: custom_id 'a' is used twice"),
         ({**GOOD, "custom_id": "b", "method": "GET"}, 'Line 2: method must be "POST"'),
-        ({**GOOD, "custom_id": "b", "url": "/v1/embeddings"}, "Line 2: url must be one of"),
+        ({**GOOD, "custom_id": "b", "url": "/v1/moderations"}, "Line 2: url must be one of"),
         ({**GOOD, "custom_id": "b", "body": "x"}, "Line 2: body must be a JSON object"),
         (b"", "Line 2: not valid JSON"),
     ],

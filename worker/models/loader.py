@@ -76,7 +76,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 def hf_dir_for(ref: str, cache_dir: str | None = None) -> Path:
     """The HF directory for `ref`, converting a GGUF on first use."""
-    source = resolve_model(ref)
+    source = resolve_model(ref, cache_dir)
     if source.kind == "hf_dir":
         return source.path
     target = converted_dir(source, cache_dir)

@@ -6,6 +6,8 @@ from typing import Any
 
 from torch import nn
 
+from worker.models.bert import BertEncoderModel
+from worker.models.decoder_embedding import CAUSAL_NAMES, DecoderEmbeddingModel
 from worker.models.llama import LlamaForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
@@ -45,3 +47,44 @@ def build_model(config: Any, max_positions: int) -> nn.Module:
     """An uninitialised model for `config` (weights are loaded afterwards)."""
     architecture = resolve_architecture(config)
     return MODEL_CLASSES[architecture](config, architecture, max_positions)
+
+
+# Models run for vectors or scores (embedding and cross-encoder workers), no KV cache.
+POOLING_CLASSES: dict[str, type[nn.Module]] = {
+    "BertModel": BertEncoderModel,
+    "RobertaModel": BertEncoderModel,
+    "XLMRobertaModel": BertEncoderModel,
+    "BertForSequenceClassification": BertEncoderModel,
+    "RobertaForSequenceClassification": BertEncoderModel,
+    "XLMRobertaForSequenceClassification": BertEncoderModel,
+    **{name: DecoderEmbeddingModel for name in CAUSAL_NAMES},
+}
+
+POOLING_MODEL_TYPES = {
+    "bert": "BertModel",
+    "roberta": "RobertaModel",
+    "xlm-roberta": "XLMRobertaModel",
+}
+
+
+def pooling_architecture(config: Any, is_sentence_transformers: bool) -> str | None:
+    """The pooling architecture `config` names, or None for a generative model.
+
+    A causal LM of the Llama family packaged for sentence-transformers (Qwen3-Embedding
+    ships as `Qwen3ForCausalLM`) is run as its bare decoder.
+    """
+    named = list(getattr(config, "architectures", None) or [])
+    for architecture in named:
+        if architecture in POOLING_CLASSES:
+            return architecture
+        bare = architecture.replace("ForCausalLM", "Model")
+        if is_sentence_transformers and bare in CAUSAL_NAMES:
+            return bare
+    if not named:
+        return POOLING_MODEL_TYPES.get(getattr(config, "model_type", None))
+    return None
+
+
+def build_pooling_model(config: Any, architecture: str, max_positions: int) -> nn.Module:
+    """An uninitialised embedding or cross-encoder model (weights are loaded afterwards)."""
+    return POOLING_CLASSES[architecture](config, architecture, max_positions)

@@ -1,9 +1,11 @@
 // Fleet: one card per live worker (KV blocks as a bar, running, waiting, tokens/s, last
-// heartbeat) and the depth of every queue, polled once a second while the view is shown.
+// heartbeat; an embedding or cross-encoder worker says so, it has no KV cache) and the depth
+// of every queue, polled once a second while the view is shown.
 
 import { el, getJson } from "/console/api.js";
 
 const POLL_MS = 1000;
+const TASKS = { embed: " · embeddings", score: " · cross-encoder (rerank, score)" };
 const $ = (id) => document.getElementById(id);
 
 export async function refreshFleet() {
@@ -50,8 +52,12 @@ function fillCard(card, w, now) {
   const ratio = w.kv_blocks_total ? w.kv_blocks_used / w.kv_blocks_total : 0;
   set("status", w.status);
   card.querySelector(".pill").dataset.status = w.status;
-  set("model", `${w.model} · ${w.device} · ${w.dtype} · ${w.host}:${w.pid}`);
-  set("kv", `${w.kv_blocks_used} / ${w.kv_blocks_total} blocks (${(ratio * 100).toFixed(1)} %)`);
+  const task = TASKS[w.task] || "";
+  set("model", `${w.model}${task} · ${w.device} · ${w.dtype} · ${w.host}:${w.pid}`);
+  card.dataset.task = w.task || "generate";
+  set("kv", w.kv_blocks_total
+    ? `${w.kv_blocks_used} / ${w.kv_blocks_total} blocks (${(ratio * 100).toFixed(1)} %)`
+    : "none (inputs batched by tokens)");
   const fill = card.querySelector(".bar-fill");
   fill.style.width = `${Math.min(100, ratio * 100).toFixed(2)}%`;
   fill.dataset.level = ratio > 0.9 ? "high" : ratio > 0.6 ? "mid" : "low";

@@ -1,0 +1,1 @@
+"""Embeddings, rerank and score: the routes of embedding and cross-encoder models."""
