@@ -9,7 +9,6 @@ from typing import Any
 from arq.connections import ArqRedis
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
-from redis.asyncio import ConnectionPool
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -36,15 +35,17 @@ from shared.contracts import QUEUED_GRACE_S
 from shared.keys import Keys
 from shared.metrics import ApiMetrics
 from shared.queue import deserialize_job, serialize_job
+from shared.redis_url import async_pool
 
 
 def make_redis(settings: Settings, keys: Keys) -> ArqRedis:
     """An arq-capable client that does not connect yet (arq's `create_pool` pings at once,
-    which would stop the API from starting, and answering 503, while Redis is down).
+    which would stop the API from starting, and answering 503, while Redis is down). With a
+    Sentinel URL each new connection goes to the primary the sentinels name now.
 
     A command on a pooled connection that Redis dropped (it restarted) reconnects and is
     sent again, twice at most, so the first requests after an outage do not fail."""
-    pool = ConnectionPool.from_url(
+    pool = async_pool(
         settings.redis_url,
         socket_connect_timeout=2.0,
         health_check_interval=30,
