@@ -75,7 +75,7 @@ class WorkerProcess:
         heartbeat.start()
         self._serve_metrics(metrics)
         # One arq worker per lane of this model's queues, sharing the engine and admission.
-        workers = [LadleWorker(service, s, pool, lane) for lane in ("interactive", "batch")]
+        workers = [LadleWorker(service, s, pool, lane) for lane in s.worker_lanes]
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(sig, self._stopping.set)
         runners = [asyncio.create_task(w.async_run()) for w in workers]
