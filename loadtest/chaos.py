@@ -170,8 +170,8 @@ async def settle(up: UpProcess, ledger: Ledger, http: httpx.AsyncClient) -> None
     results = await asyncio.gather(*(follow(job_id) for job_id in ledger.job_ids))
     # Jobs still not final are counted by check_redis (with those no client knew of).
     ledger.lost += sum(r is not None and r["status"] == "missing" for r in results)
-    await wait_idle(up, http, ledger)
-    await asyncio.to_thread(check_redis, up, ledger)
+    await wait_idle(up.num_workers, http, ledger)
+    await asyncio.to_thread(check_redis, up.redis_url, up.keys, ledger)
 
 
 async def run(config: ChaosConfig, workdir: Path) -> Ledger:
