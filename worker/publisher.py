@@ -9,6 +9,7 @@ from collections.abc import Callable
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from shared.replication import NotReplicated, ReplicaWaiter
 from shared.retry import FOREVER, Backoff, retry
 from shared.tokenizer import Tokenizer
 from worker.engine.engine import SequenceOutput
@@ -43,6 +44,7 @@ class Publisher:
         self.on_finished = on_finished
         self.metrics = metrics
         self.loop = asyncio.get_running_loop()
+        self.replicas = ReplicaWaiter(redis)
         self._outputs: asyncio.Queue[list[SequenceOutput]] = asyncio.Queue()
 
     def on_outputs(self, outputs: list[SequenceOutput]) -> None:
@@ -82,10 +84,16 @@ class Publisher:
         """Redis blinking must not drop tokens: retried until written, however long."""
 
         async def write() -> None:
+            num_required = await self.replicas.num_required()
             pipe = self.redis.pipeline(transaction=False)
             for job_id, event in entries:
                 self.store.append(pipe, job_id, event)
-            await pipe.execute()
+            self.replicas.add_wait(pipe, num_required)
+            results = await pipe.execute()
+            try:
+                self.replicas.check(results, num_required)
+            except NotReplicated as exc:  # tokens are not held up for a lagging replica
+                logger.warning("stream events not confirmed by a replica: %s", exc)
 
         await retry(
             write,

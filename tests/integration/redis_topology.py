@@ -74,6 +74,11 @@ class Node:
             self.proc.send_signal(sig)
             self.proc.wait(timeout=10)
 
+    def pause(self, is_paused: bool = True) -> None:
+        """SIGSTOP (or SIGCONT): the process holds its sockets but answers nothing."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP if is_paused else signal.SIGCONT)
+
 
 @contextlib.contextmanager
 def _nodes(base: Path | None) -> Iterator[tuple[Path, list[Node]]]:

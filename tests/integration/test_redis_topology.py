@@ -11,9 +11,11 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from api.app import make_redis
+from api.reconcile import PrimaryWatch
 from shared.config import Settings
 from shared.keys import Keys
 from shared.redis_url import arq_redis_settings, sync_client
+from shared.replication import NotReplicated, ReplicaWaiter
 from tests.integration.harness import wait_until
 from tests.integration.redis_topology import REDIS_SERVER, redis_cluster, sentinel_group
 
@@ -42,6 +44,9 @@ async def test_every_client_follows_a_sentinel_failover() -> None:
         launcher = sync_client(group.url, socket_timeout=1)
         await api.set("before", "1")
         assert await api.wait(1, 5000) == 1  # the replica has it before the primary dies
+        await _replica_waits_are_checked(api, group)
+        watch = PrimaryWatch(api)
+        assert not await watch.changed()
         old_port = group.primary_port()
 
         failover_s = group.kill_primary()
@@ -52,10 +57,34 @@ async def test_every_client_follows_a_sentinel_failover() -> None:
         wait_until(lambda: _sync_set(launcher), 30, "the sync client to write")
         new_primary = group.current_primary().client()
         assert new_primary.mget("before", "after-api", "after-worker", "after-sync") == [b"1"] * 4
+        assert await watch.changed()  # the API reconciles its queued jobs after this
+        assert await ReplicaWaiter(api).num_required() == 0  # its replica died with it
         assert failover_s < 20
         await api.aclose()
         await worker.aclose()
         launcher.close()
+
+
+async def _replica_waits_are_checked(api: object, group: object) -> None:
+    """WAIT covers a pipeline's writes while the replica answers, and a stopped replica makes
+    the check fail instead of passing silently."""
+    waiter = ReplicaWaiter(api, timeout_ms=300)  # type: ignore[arg-type]
+    num_required = await waiter.num_required()
+    assert num_required == 1
+    for replica_stopped in (False, True):
+        if replica_stopped:
+            group.replica.pause()  # type: ignore[attr-defined]
+        pipe = api.pipeline(transaction=False)  # type: ignore[attr-defined]
+        pipe.set("waited", "1")
+        waiter.add_wait(pipe, num_required)
+        results = await pipe.execute()
+        if replica_stopped:
+            with pytest.raises(NotReplicated):
+                waiter.check(results, num_required)
+        else:
+            waiter.check(results, num_required)
+    group.replica.pause(False)  # type: ignore[attr-defined]
+    group.wait_in_sync()  # type: ignore[attr-defined]
 
 
 def _sync_set(client: object) -> bool:
