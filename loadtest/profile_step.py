@@ -3,7 +3,8 @@
     .venv/bin/python -m loadtest.profile_step [--dtype auto] [--threads N] [--batch 1 64]
         [--decode-threads N] [--context 128] [--steps 40] [--compile auto|on|off]
         [--linear-kernel auto|NAME]
-        [--quantization none|int8|int4] [--native on|off] [--ops] [--cprofile] [--json OUT]
+        [--quantization none|int8|int4] [--native on|off] [--deterministic on|off]
+        [--ops] [--cprofile] [--json OUT]
 
 For each batch size B: B requests of `context` random token ids are prefilled, then the
 engine decodes `steps` steps with all B running. Reported per step (medians):
@@ -37,8 +38,8 @@ from loadtest.bandwidth_bound import stream_bandwidth, weight_bytes_per_token
 from shared.config import Settings
 from shared.model_files import DEFAULT_MODEL_NAME
 from worker.engine.config import EngineConfig
+from worker.engine.core.sampling_params import SamplingParams
 from worker.engine.engine import LLMEngine
-from worker.engine.sampling_params import SamplingParams
 
 
 class _Timed:
@@ -179,6 +180,9 @@ def main() -> None:
     parser.add_argument(
         "--native", default="on", choices=["on", "off"], help="Ladle's native CPU kernels"
     )
+    parser.add_argument(
+        "--deterministic", default="on", choices=["on", "off"], help="batch-invariant kernels"
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
@@ -195,13 +199,15 @@ def main() -> None:
         linear_kernel=args.linear_kernel,
         quantization=args.quantization,
         native_kernels=args.native == "on",
+        deterministic=args.deterministic == "on",
     )
     started = time.perf_counter()
     engine = LLMEngine(config)
     executor = engine.executor
     print(
         f"{args.model} {executor.dtype} threads={torch.get_num_threads()} "
-        f"compiled={executor.compiled} start {time.perf_counter() - started:.1f} s "
+        f"compiled={executor.compiled} deterministic={executor.deterministic} "
+        f"start {time.perf_counter() - started:.1f} s "
         f"load={os.getloadavg()}\nkernels: {executor.kernels}"
     )
     measure(engine, 2, args.context, 4)  # warm-up

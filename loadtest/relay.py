@@ -29,15 +29,15 @@ from pathlib import Path
 
 import redis
 import redis.asyncio
-
 from api.relay import Relay
+from worker.store import JobStore
+
 from shared.contracts import DeltaEvent, JobPayload
 from shared.keys import Keys
-from tests.integration.redis_topology import redis_shards
+from tests.support.redis_topology import redis_shards
 from worker.engine.engine import SequenceOutput
 from worker.job_state import JobState
 from worker.publisher import Publisher
-from worker.store import JobStore
 
 PREFIX = "relaybench"
 MAX_SECONDS = 300  # every level is bounded whatever the flags say

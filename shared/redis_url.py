@@ -23,6 +23,8 @@ import redis.sentinel
 from arq.connections import RedisSettings
 from redis.asyncio.connection import SSLConnection, parse_url
 
+from shared.logging import safe_url
+
 _SSL_OPTIONS = ("ssl_keyfile", "ssl_certfile", "ssl_cert_reqs", "ssl_ca_certs", "ssl_ca_data")
 PLAIN_SCHEMES = ("redis", "rediss", "unix")
 SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
@@ -165,16 +167,3 @@ def arq_redis_settings(url: str, **overrides: Any) -> RedisSettings:
         values["ssl_check_hostname"] = bool(parsed["ssl_check_hostname"])
     values.update(overrides)
     return RedisSettings(**values)
-
-
-def safe_url(url: str) -> str:
-    """The URL without credentials (user, password, `*password=` options), for logs."""
-    url, _, query = url.partition("?")
-    if query:
-        pairs = [pair.partition("=") for pair in query.split("&")]
-        query = "&".join(k + s + ("***" if "password" in k else v) for k, s, v in pairs)
-        query = "?" + query
-    if "@" not in url:
-        return url + query
-    scheme, _, rest = url.partition("://")
-    return f"{scheme}://***@{rest.split('@', 1)[1]}{query}"

@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from tests.engine.conftest import TEST_DEVICE
+from tests.support.engines import TEST_DEVICE
 from worker.layers import native
 from worker.layers.linear_kernels import build_kernel
 
@@ -25,7 +25,7 @@ THREADS = (1, 2)
 
 @pytest.fixture(scope="module", autouse=True)
 def loaded_native(tmp_path_factory):
-    if not native.configure(True, str(tmp_path_factory.mktemp("native-cache"))):
+    if not native.configure(True):  # the machine's cache: one build serves every test
         pytest.skip(f"native kernels unavailable here: {native.status()}")
     previous = torch.get_num_threads()
     yield
@@ -135,7 +135,7 @@ def test_small_ops_are_batch_invariant():
 
 
 def test_invariant_plan_gives_each_group_one_kernel(tmp_path):
-    from tests.engine.tiny_models import tiny_model_dir
+    from tests.support.tiny_models import tiny_model_dir
     from worker.engine.autotune import choose_kernels
     from worker.models.loader import load_model
 
@@ -146,3 +146,24 @@ def test_invariant_plan_gives_each_group_one_kernel(tmp_path):
     for group, by_bucket in plan.kernels.items():
         assert len(set(by_bucket.values())) == 1, group
         assert set(by_bucket.values()) <= {"native", "amx"}, group
+
+
+def test_eager_float32_small_ops_are_batch_invariant():
+    """float32 models run torch's own norms, SiLU-mul and rotary (no native ones): per row."""
+    from worker.layers.activation import SiluAndMul
+    from worker.layers.norm import RMSNorm
+    from worker.layers.rotary import apply_rotary
+
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.data = _rand(576, seed=24, dtype=torch.float32)
+    filler = _rand(256, 576, seed=25, dtype=torch.float32)
+    assert_rows_invariant(norm, _rand(576, seed=26, dtype=torch.float32), filler)
+    wide = _rand(256, 3072, seed=27, dtype=torch.float32)
+    assert_rows_invariant(SiluAndMul(), _rand(3072, seed=28, dtype=torch.float32), wide)
+    cos, sin = (_rand(1, 1, 64, seed=s, dtype=torch.float32) for s in (29, 30))
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        heads = x.view(x.shape[0], 9, 64)
+        return apply_rotary(heads, cos.expand(x.shape[0], 1, 64), sin.expand(x.shape[0], 1, 64))
+
+    assert_rows_invariant(rotate, _rand(576, seed=31, dtype=torch.float32), filler)

@@ -11,12 +11,12 @@ import pytest
 from arq.connections import ArqRedis, create_pool
 from arq.constants import job_key_prefix
 
-from api.reconcile import PrimaryWatch, reconcile
+from api.jobs.reconcile import PrimaryWatch, reconcile
 from shared.contracts import JobPayload, JobRecord, decode_event
 from shared.keys import Keys
 from shared.queue import deserialize_job, serialize_job
 from shared.redis_url import arq_redis_settings
-from tests.integration.harness import TEST_REDIS_URL, cleanup_keys
+from tests.support.harness import TEST_REDIS_URL, cleanup_keys
 
 
 @pytest.fixture

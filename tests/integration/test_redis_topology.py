@@ -11,13 +11,13 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from api.app import make_redis
-from api.reconcile import PrimaryWatch
+from api.jobs.reconcile import PrimaryWatch
 from shared.config import Settings
 from shared.keys import Keys
 from shared.redis_url import arq_redis_settings, sync_client
 from shared.replication import NotReplicated, ReplicaWaiter
-from tests.integration.harness import wait_until
-from tests.integration.redis_topology import REDIS_SERVER, redis_cluster, sentinel_group
+from tests.support.harness import wait_until
+from tests.support.redis_topology import REDIS_SERVER, redis_cluster, sentinel_group
 
 pytestmark = pytest.mark.skipif(
     not REDIS_SERVER.startswith("/"), reason="needs redis-server and redis-cli on PATH"

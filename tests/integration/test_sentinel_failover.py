@@ -21,8 +21,8 @@ import pytest
 from loadtest.chaos_load import Clients, Ledger, poll_job
 from loadtest.chaos_sweep import check_redis, wait_idle
 from shared.keys import Keys
-from tests.integration.harness import start_service
-from tests.integration.redis_topology import REDIS_SERVER, sentinel_group
+from tests.support.harness import start_service
+from tests.support.redis_topology import REDIS_SERVER, sentinel_group
 
 pytestmark = pytest.mark.skipif(
     not REDIS_SERVER.startswith("/"), reason="needs redis-server and redis-cli on PATH"

@@ -11,7 +11,7 @@ import pytest
 from redis.asyncio.connection import SSLConnection
 
 from api.app import make_redis
-from api.jobs import new_job_id
+from api.jobs.store import new_job_id
 from shared.config import Settings
 from shared.keys import Keys
 from shared.logging import JsonFormatter

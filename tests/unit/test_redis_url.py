@@ -9,12 +9,12 @@ import redis.sentinel
 from api.app import make_redis
 from shared.config import Settings
 from shared.keys import Keys
+from shared.logging import safe_url
 from shared.redis_url import (
     arq_redis_settings,
     async_pool,
     check_url,
     parse_sentinel_url,
-    safe_url,
     sync_client,
 )
 

@@ -28,12 +28,15 @@ class PagedAttention(nn.Module):
         self.scale = scale
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self.native_rows = False  # rows on the native kernel: chosen at `bind`
         # This layer's handle for the custom op, as a graph input (see `Linear`); set by bind.
         self.register_buffer("layer_id", None, persistent=False)
 
     def bind(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-        """Attend over (and write into) these caches from now on."""
+        """Attend over (and write into) these caches from now on, on the native kernel where
+        it serves them (chosen here, once)."""
         self.k_cache, self.v_cache = k_cache, v_cache
+        self.native_rows = rows_supported(k_cache, self.num_heads)
         self.layer_id = torch.tensor(handle_of(self))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -41,7 +44,7 @@ class PagedAttention(nn.Module):
             return torch.ops.ladle.paged_attention(q, k, v, self.layer_id)
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("KV cache not bound to the attention layer")
-        return paged_attention(q, k, v, self.k_cache, self.v_cache, self.scale)
+        return paged_attention(q, k, v, self.k_cache, self.v_cache, self.scale, self.native_rows)
 
 
 def paged_attention(
@@ -51,6 +54,7 @@ def paged_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     scale: float,
+    native_rows: bool = False,
 ) -> torch.Tensor:
     """Write this step's k/v into the caches, then attend; metadata from the step context.
 
@@ -62,17 +66,17 @@ def paged_attention(
     # [Hkv, num_blocks * block_size, hd]: slot s of every head
     k_slots = k_cache.view(num_kv_heads, -1, head_dim)
     v_slots = v_cache.view(num_kv_heads, -1, head_dim)
-    if _native(k_cache) and k_cache.dtype == torch.bfloat16:
+    if native_rows and k_cache.dtype == torch.bfloat16:
         torch.ops.ladle_native.write_kv_bf16(k, v, k_cache, v_cache, meta.slot_mapping)
     else:
         k_slots.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
         v_slots.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
     num_decode = meta.num_decode_tokens
     if num_decode == q.shape[0]:  # a decode-only step: no output buffer, no copy
-        return _decode(q, k_cache, v_cache, meta, scale)
+        return _decode(q, k_cache, v_cache, meta, scale, native_rows)
     out = q.new_empty(q.shape)
     if num_decode:
-        out[:num_decode] = _decode(q[:num_decode], k_cache, v_cache, meta, scale)
+        out[:num_decode] = _decode(q[:num_decode], k_cache, v_cache, meta, scale, native_rows)
     for chunk in meta.prefills:
         rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
         out[rows] = _prefill(q[rows], k[rows], v[rows], k_slots, v_slots, chunk, scale)
@@ -91,7 +95,7 @@ def paged_attention_op(
     data order, so hiding the write from the compiler is safe.
     """
     layer = resolve(int(handle))
-    return paged_attention(q, k, v, layer.k_cache, layer.v_cache, layer.scale)
+    return paged_attention(q, k, v, layer.k_cache, layer.v_cache, layer.scale, layer.native_rows)
 
 
 @paged_attention_op.register_fake
@@ -132,9 +136,10 @@ def _decode(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    native_rows: bool,
 ) -> torch.Tensor:
     """Rows against their cached keys: the native kernel where it serves, else eager."""
-    if meta.decode_context_lens is not None and rows_supported(k_cache, q.shape[1]):
+    if meta.decode_context_lens is not None and native_rows:
         return torch.ops.ladle_native.paged_attention_rows(
             q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
         )

@@ -1,4 +1,5 @@
-"""RMSNorm computed in float32, as the reference implementations do."""
+"""RMSNorm computed in float32, as the reference implementations do; Ladle's native bf16
+kernel where the model chose it at load (`use_native`)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,27 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size))
+        self.native = False  # `ladle_native.rms_norm_bf16` (bf16 weights on CPU)
+
+    def use_native(self, enabled: bool) -> None:
+        """Run on the native kernels from now on (where they apply: bf16 on CPU)."""
+        weight = self.weight
+        self.native = enabled and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+
+    def with_residual(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): a residual add fused with the norm after it."""
+        if self.native:
+            return torch.ops.ladle_native.add_rms_norm_bf16(x, residual, self.weight, self.eps)
+        summed = x + residual
+        return self(summed), summed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native:
+            flat = x.reshape(-1, x.shape[-1])
+            out = torch.ops.ladle_native.rms_norm_bf16(flat, self.weight, self.eps)
+            return out.view(x.shape)
         shape = (x.shape[-1],)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return F.rms_norm(x, shape, self.weight, self.eps)

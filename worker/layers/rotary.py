@@ -108,6 +108,8 @@ class RotaryEmbedding(nn.Module):
     the two halves (one `flip`) instead of HF's slice, negate and concatenate.
     """
 
+    native = False  # rotate in place with `ladle_native.rotary_bf16_` (`use_native`)
+
     def __init__(self, params: dict[str, Any], head_dim: int, max_positions: int) -> None:
         super().__init__()
         self.params = params
@@ -130,6 +132,22 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, signed sin of shape [T, 1, head_dim] for flat positions [T] (over heads)."""
         return self.cos_cache[positions].unsqueeze(1), self.sin_cache[positions].unsqueeze(1)
+
+    def use_native(self, enabled: bool) -> None:
+        """Rotate in place with `ladle_native.rotary_bf16_` from now on (bf16 on CPU)."""
+        cache = self.cos_cache
+        self.native = enabled and cache.dtype == torch.bfloat16 and cache.device.type == "cpu"
+
+    def rotate(self, x: torch.Tensor, num_heads: int, positions: torch.Tensor) -> torch.Tensor:
+        """The first `num_heads` heads of x [T, heads, head_dim] rotated (in place on the
+        native kernels, else a new tensor): what attention reads as its q and k."""
+        if self.native:
+            torch.ops.ladle_native.rotary_bf16_(
+                x, positions, self.cos_cache, self.sin_cache, num_heads
+            )
+            return x[:, :num_heads]
+        cos, sin = self(positions)
+        return apply_rotary(x[:, :num_heads], cos, sin)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

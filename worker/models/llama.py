@@ -19,7 +19,7 @@ from worker.layers.attention import PagedAttention
 from worker.layers.linear import Linear, PackedLinear
 from worker.layers.norm import RMSNorm
 from worker.layers.quant import QuantizedTensor
-from worker.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from worker.layers.rotary import RotaryEmbedding, rope_parameters
 
 # checkpoint name fragment -> (fused module name fragment, shard index)
 PACKED_WEIGHTS = {
@@ -59,7 +59,7 @@ def head_dim_of(config: Any) -> int:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, variant: LlamaVariant) -> None:
+    def __init__(self, config: Any, variant: LlamaVariant, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -75,33 +75,22 @@ class LlamaAttention(nn.Module):
         self.attn = PagedAttention(
             self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5
         )
+        self._rotary = [rotary]  # shared by every layer; a list keeps it out of the submodules
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden).view(num_tokens, -1, self.head_dim)
         num_qk = self.num_heads + self.num_kv_heads
-        v = qkv[:, num_qk:]
+        rotary = self._rotary[0]
         if self.q_norm is None:
-            # q and k heads side by side: one rotary over both (4 ops instead of 8).
-            qk = apply_rotary(qkv[:, :num_qk], cos, sin)
+            # q and k heads side by side: one rotary over both
+            qk = rotary.rotate(qkv, num_qk, positions)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         else:
-            q = apply_rotary(self.q_norm(qkv[:, : self.num_heads]), cos, sin)
-            k = apply_rotary(self.k_norm(qkv[:, self.num_heads : num_qk]), cos, sin)
-        out = self.attn(q, k, v)
-        return self.o_proj(out.view(num_tokens, -1))
-
-    def forward_native(
-        self, hidden: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding
-    ) -> torch.Tensor:
-        """`forward` for bf16 on the native kernels: rotary in place on the fused qkv."""
-        num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden).view(num_tokens, -1, self.head_dim)
-        num_qk = self.num_heads + self.num_kv_heads
-        torch.ops.ladle_native.rotary_bf16_(
-            qkv, positions, rotary.cos_cache, rotary.sin_cache, num_qk
-        )
-        out = self.attn(qkv[:, : self.num_heads], qkv[:, self.num_heads : num_qk], qkv[:, num_qk:])
+            q = rotary.rotate(self.q_norm(qkv[:, : self.num_heads]), self.num_heads, positions)
+            k_heads = self.k_norm(qkv[:, self.num_heads : num_qk])
+            k = rotary.rotate(k_heads, self.num_kv_heads, positions)
+        out = self.attn(q, k, qkv[:, num_qk:])
         return self.o_proj(out.view(num_tokens, -1))
 
 
@@ -116,60 +105,51 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
-    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(torch.ops.ladle_native.silu_mul_bf16(self.gate_up_proj(x)))
-
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, variant: LlamaVariant) -> None:
+    """One block of the residual stream: (previous block's output, stream) -> (output, stream).
+
+    Each residual add is fused with the norm after it (`RMSNorm.with_residual`), so on the
+    native kernels a layer is 10 calls, 5 of them matmuls; eagerly the same adds and norms."""
+
+    def __init__(self, config: Any, variant: LlamaVariant, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, variant)
+        self.self_attn = LlamaAttention(config, variant, rotary)
         self.mlp = LlamaMLP(config, variant)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(
+        self, hidden: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = self.input_layernorm.with_residual(hidden, residual)
+        x = self.self_attn(x, positions)
+        x, residual = self.post_attention_layernorm.with_residual(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
     def __init__(self, config: Any, variant: LlamaVariant, max_positions: int) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, variant) for _ in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(
             rope_parameters(config), head_dim_of(config), max_positions
         )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, variant, self.rotary_emb)
+            for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.variant = variant
-        self.native = False  # run `forward_native` (set by `LlamaForCausalLM.use_native`)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        if self.native:
-            return self.forward_native(hidden, positions)
-        cos, sin = self.rotary_emb(positions)
+        # the stream starts at zero, so every layer has one signature (one compiled graph);
+        # x + 0 is x exactly
+        residual = torch.zeros_like(hidden)
         for layer in self.layers:
-            hidden = layer(hidden, cos, sin)
-        return self.norm(hidden)
-
-    def forward_native(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The same layers as a residual stream on the native bf16 kernels: each residual add
-        is fused with the norm after it, so a layer is 10 calls (5 of them matmuls)."""
-        ops = torch.ops.ladle_native
-        norms = [layer.input_layernorm for layer in self.layers] + [self.norm]
-        residual = hidden
-        x = ops.rms_norm_bf16(hidden, norms[0].weight, norms[0].eps)
-        for layer, next_norm in zip(self.layers, norms[1:], strict=True):
-            x = layer.self_attn.forward_native(x, positions, self.rotary_emb)
-            post = layer.post_attention_layernorm
-            x, residual = ops.add_rms_norm_bf16(x, residual, post.weight, post.eps)
-            x = layer.mlp.forward_native(x)
-            x, residual = ops.add_rms_norm_bf16(x, residual, next_norm.weight, next_norm.eps)
-        return x
+            hidden, residual = layer(hidden, residual, positions)
+        return self.norm.with_residual(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -188,21 +168,21 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def use_native(self, enabled: bool) -> bool:
-        """Run the native-kernel forward from now on where it applies; returns whether it does.
-
-        It applies to bf16 weights on CPU once the native kernels loaded, for every member of
-        the family but Qwen3 (its per-head q/k norms run eagerly).
-        """
+        """Run the norms, SiLU-mul and rotary on the native kernels from now on where they
+        apply (bf16 weights on CPU, the kernels loaded); returns whether they do. Chosen once,
+        at load: the forward is the same either way."""
         param = self.lm_head.weight
-        self.model.native = (
+        chosen = (
             enabled
             and native.loaded()
             and param.device.type == "cpu"
             and self.model.embed_tokens.weight.dtype == torch.bfloat16
-            and not self.model.variant.qk_norm
             and head_dim_of(self.config) % 2 == 0
         )
-        return self.model.native
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, SiluAndMul, RotaryEmbedding)):
+                module.use_native(chosen)
+        return chosen
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab] for the selected hidden states [N, H].
