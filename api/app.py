@@ -42,6 +42,16 @@ from shared.keys import Keys
 from shared.metrics import ApiMetrics
 from shared.queue import deserialize_job, serialize_job
 from shared.redis_url import async_pool
+from shared.relay_shards import StreamShards
+
+
+def _pool_options() -> dict[str, Any]:
+    return {
+        "socket_connect_timeout": 2.0,
+        "health_check_interval": 30,
+        "retry": Retry(ExponentialBackoff(cap=0.5, base=0.05), 2),
+        "retry_on_error": [RedisConnectionError, RedisTimeoutError],
+    }
 
 
 def make_redis(settings: Settings, keys: Keys) -> ArqRedis:
@@ -51,13 +61,7 @@ def make_redis(settings: Settings, keys: Keys) -> ArqRedis:
 
     A command on a pooled connection that Redis dropped (it restarted) reconnects and is
     sent again, twice at most, so the first requests after an outage do not fail."""
-    pool = async_pool(
-        settings.redis_url,
-        socket_connect_timeout=2.0,
-        health_check_interval=30,
-        retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 2),
-        retry_on_error=[RedisConnectionError, RedisTimeoutError],
-    )
+    pool = async_pool(settings.redis_url, **_pool_options())
     return ArqRedis(
         pool,
         job_serializer=serialize_job,
@@ -75,6 +79,7 @@ def build_services(
     redis = redis if redis is not None else make_redis(settings, keys)
     workers = WorkerDirectory(redis, keys, settings.worker_ttl_s)
     limiter = RateLimiter(redis, keys)
+    shards = StreamShards(redis, settings.relay_redis_urls, **_pool_options())
     return Services(
         settings=settings,
         keys=keys,
@@ -84,8 +89,9 @@ def build_services(
             keys,
             verify_delay_s=max(2.0, 5 * settings.heartbeat_interval_s),
             max_buffered=settings.stream_buffer_events,
+            shards=shards,
         ),
-        jobs=JobStore(redis, keys, settings, limiter),
+        jobs=JobStore(redis, keys, settings, limiter, shards),
         workers=workers,
         tokenizer=TokenizerHolder(settings, tokenizer_loader, workers.source),
         metrics=ApiMetrics(),
@@ -118,7 +124,9 @@ def create_app(
         tracing.configure(settings.otel_endpoint, "ladle-api")
         services.tokenizer.preload()
         services.relay.start()
-        reconciler = FailoverReconciler(services.redis, services.keys, settings.job_ttl_s)
+        reconciler = FailoverReconciler(
+            services.redis, services.keys, settings.job_ttl_s, services.jobs.shards
+        )
         reconciler.start()
         control = None
         if settings.batch_control:
@@ -131,6 +139,7 @@ def create_app(
         await reconciler.stop()
         await services.relay.stop()
         await services.jobs.drain()
+        await services.jobs.shards.aclose()
         await services.redis.aclose()
         tracing.shutdown()
 

@@ -47,6 +47,7 @@ class Ledger:
     running_left: dict[str, int] = field(default_factory=dict)
     faults: list[str] = field(default_factory=list)
     details: list[str] = field(default_factory=list)  # what each duplicate or wrong output was
+    failover_s: list[float] = field(default_factory=list)  # Sentinel: until a new primary
     # Accepted jobs whose final state no client has seen yet: followed up at the end.
     job_ids: set[str] = field(default_factory=set, repr=False)
 

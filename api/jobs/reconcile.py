@@ -24,6 +24,7 @@ from redis.exceptions import RedisError, WatchError
 from shared.contracts import ErrorEvent, JobPayload, JobRecord, encode_event
 from shared.keys import Keys
 from shared.queue import RUN_COMPLETION
+from shared.relay_shards import StreamShards
 
 log = logging.getLogger(__name__)
 MIN_AGE_S = 10.0
@@ -50,7 +51,11 @@ class PrimaryWatch:
 
 
 async def reconcile(
-    redis: ArqRedis, keys: Keys, job_ttl_s: int, min_age_s: float = MIN_AGE_S
+    redis: ArqRedis,
+    keys: Keys,
+    job_ttl_s: int,
+    min_age_s: float = MIN_AGE_S,
+    shards: StreamShards | None = None,
 ) -> Reconciled:
     """Queue again, or fail, every `queued` record older than `min_age_s` without an arq job."""
     done = Reconciled()
@@ -63,14 +68,19 @@ async def reconcile(
             continue
         if await redis.exists(job_key_prefix + record.id):
             continue
-        await _requeue_or_fail(redis, keys, record, job_ttl_s, done)
+        await _requeue_or_fail(redis, keys, record, job_ttl_s, done, shards)
     if done.requeued or done.failed:
         log.warning("reconciled jobs after a primary change", extra=done.__dict__)
     return done
 
 
 async def _requeue_or_fail(
-    redis: ArqRedis, keys: Keys, record: JobRecord, job_ttl_s: int, done: Reconciled
+    redis: ArqRedis,
+    keys: Keys,
+    record: JobRecord,
+    job_ttl_s: int,
+    done: Reconciled,
+    shards: StreamShards | None,
 ) -> None:
     payload_json = await redis.get(keys.payload(record.id))
     if payload_json is not None:
@@ -82,11 +92,13 @@ async def _requeue_or_fail(
             _queue_name=keys.queue(payload.model, payload.lane),
         )
         done.requeued.append(record.id)
-    elif await _fail_lost(redis, keys, record, job_ttl_s):
+    elif await _fail_lost(redis, keys, record, job_ttl_s, shards or StreamShards(redis, [])):
         done.failed.append(record.id)
 
 
-async def _fail_lost(redis: ArqRedis, keys: Keys, record: JobRecord, job_ttl_s: int) -> bool:
+async def _fail_lost(
+    redis: ArqRedis, keys: Keys, record: JobRecord, job_ttl_s: int, shards: StreamShards
+) -> bool:
     """`failed` with `job_lost`, and the error on its stream, unless it changed meanwhile."""
     error = ErrorEvent(
         status=503,
@@ -104,22 +116,29 @@ async def _fail_lost(redis: ArqRedis, keys: Keys, record: JobRecord, job_ttl_s: 
                 return False
             pipe.multi()
             pipe.set(keys.job(record.id), record.model_dump_json(), ex=job_ttl_s)
-            pipe.xadd(keys.stream(record.id), {"data": encode_event(error)})
-            pipe.expire(keys.stream(record.id), job_ttl_s)
             await pipe.execute()
-            return True
     except WatchError:
         return False
+    stream = keys.stream(record.id)
+    async with shards.for_stream(stream).pipeline(transaction=False) as pipe:
+        pipe.xadd(stream, {"data": encode_event(error)})
+        pipe.expire(stream, job_ttl_s)
+        await pipe.execute()
+    return True
 
 
 async def reconcile_after_failover(
-    watch: PrimaryWatch, redis: ArqRedis, keys: Keys, job_ttl_s: int
+    watch: PrimaryWatch,
+    redis: ArqRedis,
+    keys: Keys,
+    job_ttl_s: int,
+    shards: StreamShards | None = None,
 ) -> Reconciled | None:
     """One check: reconcile if the primary changed since the last call."""
     try:
         if await watch.changed():
             log.warning("Redis primary changed; reconciling queued jobs")
-            return await reconcile(redis, keys, job_ttl_s)
+            return await reconcile(redis, keys, job_ttl_s, shards=shards)
     except (RedisError, OSError) as exc:
         log.info("reconciliation deferred: %r", exc)
         watch.run_id = None if watch.run_id is None else "unknown"  # check again next time
@@ -130,8 +149,16 @@ class FailoverReconciler:
     """The API process's watch on the primary: every `every_s` it asks whose run id answers,
     and reconciles the queued jobs after a change (every API process may; it is idempotent)."""
 
-    def __init__(self, redis: ArqRedis, keys: Keys, job_ttl_s: int, every_s: float = 2.0):
+    def __init__(
+        self,
+        redis: ArqRedis,
+        keys: Keys,
+        job_ttl_s: int,
+        shards: StreamShards | None = None,
+        every_s: float = 2.0,
+    ):
         self.redis, self.keys, self.job_ttl_s, self.every_s = redis, keys, job_ttl_s, every_s
+        self.shards = shards
         self.watch = PrimaryWatch(redis)
         self._task: asyncio.Task | None = None
 
@@ -145,5 +172,7 @@ class FailoverReconciler:
 
     async def _run(self) -> None:
         while True:
-            await reconcile_after_failover(self.watch, self.redis, self.keys, self.job_ttl_s)
+            await reconcile_after_failover(
+                self.watch, self.redis, self.keys, self.job_ttl_s, self.shards
+            )
             await asyncio.sleep(self.every_s)

@@ -30,6 +30,7 @@ from shared.contracts import (
 from shared.keys import Keys
 from shared.queue import RUN_COMPLETION
 from shared.ratelimit import settle_lua
+from shared.relay_shards import StreamShards
 from shared.replication import NotReplicated, ReplicaWaiter
 
 log = logging.getLogger(__name__)
@@ -57,8 +58,10 @@ _CANCEL_QUEUED = (
 local current = redis.call('GET', KEYS[1])
 if not current or not string.find(current, '"status":"queued"', 1, true) then return 0 end
 redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[3])
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'data', ARGV[2])
-redis.call('EXPIRE', KEYS[2], ARGV[3])
+if KEYS[2] ~= '' then
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'data', ARGV[2])
+  redis.call('EXPIRE', KEYS[2], ARGV[3])
+end
 if KEYS[3] ~= '' then redis.call('SREM', KEYS[3], ARGV[5]) end
 redis.call('ZREM', KEYS[4], ARGV[5])
 redis.call('DEL', KEYS[5])
@@ -84,9 +87,15 @@ class JobStore:
     """Submit, read and cancel jobs."""
 
     def __init__(
-        self, redis: ArqRedis, keys: Keys, settings: Settings, limiter: RateLimiter
+        self,
+        redis: ArqRedis,
+        keys: Keys,
+        settings: Settings,
+        limiter: RateLimiter,
+        shards: StreamShards | None = None,
     ) -> None:
         self.redis = redis
+        self.shards = shards or StreamShards(redis, [])
         self.keys = keys
         self.settings = settings
         self.limiter = limiter
@@ -291,10 +300,12 @@ class JobStore:
         record.status, record.error, record.finished_at = "cancelled", event, time.time()
         reserved = record.reservation
         key_jobs = self.keys.key_jobs(record.api_key_id) if record.api_key_id else ""
+        stream = self.keys.stream(record.id)
+        on_main = not self.shards.is_sharded  # else the stream's shard gets it after the CAS
         done = await self._cancel_queued(
             keys=[
                 self.keys.job(record.id),
-                self.keys.stream(record.id),
+                stream if on_main else "",
                 key_jobs,
                 self.keys.queue(record.model, record.lane),
                 job_key_prefix + record.id,
@@ -312,6 +323,11 @@ class JobStore:
                 reserved.tokens if reserved else 0,  # it never ran: all of it back
             ],
         )
+        if done and not on_main:
+            async with self.shards.for_stream(stream).pipeline(transaction=False) as pipe:
+                pipe.xadd(stream, {"data": encode_event(event)})
+                pipe.expire(stream, self.settings.job_ttl_s)
+                await pipe.execute()
         return bool(done)
 
     def cancel_soon(self, job_id: str) -> None:
