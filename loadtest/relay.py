@@ -1,15 +1,17 @@
 """How many tokens/s the token relay carries through Redis, without a model.
 
-Synthetic workers (each a real `worker.publisher.Publisher` over a real `worker.store.JobStore`,
-fed `SequenceOutput`s the way the engine thread feeds them: one token for each of its `--batch`
-streams per step, `--rate` steps a second) publish to N concurrent streams; reader processes
-run the real `api.relay.Relay` (one multiplexed XREAD per process, as in an API process) with
-one subscriber per stream. Every delta's text is its publish time, so each reader measures
-publish-to-client latency. Redis's own CPU comes from `INFO cpu` over the measured window.
+Synthetic workers (each a real `worker.publisher.Publisher` over a real
+`worker.job_writer.JobWriter`, fed `SequenceOutput`s the way the engine thread feeds them: one
+token for each of its `--batch` streams per step, `--rate` steps a second) publish to N
+concurrent streams; reader processes run the real `api.jobs.relay.Relay` (one multiplexed XREAD
+per stream shard and process, as in an API process) with one subscriber per stream. Every
+delta's text is its publish time, so each reader measures publish-to-client latency. Redis's
+own CPU comes from `INFO cpu` over the measured window.
 
     python -m loadtest.relay --streams 100,1000,5000 --seconds 20 --json relay.json
+    python -m loadtest.relay --streams 1000 --shards 1,2,3      # LLM_RELAY_REDIS_URLS
 
-Each level gets a fresh private redis-server (persistence off) on 127.0.0.1.
+Each level gets fresh private redis-servers (persistence off) on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -29,14 +31,15 @@ from pathlib import Path
 
 import redis
 import redis.asyncio
-from api.relay import Relay
-from worker.store import JobStore
 
+from api.jobs.relay import Relay
 from shared.contracts import DeltaEvent, JobPayload
 from shared.keys import Keys
+from shared.relay_shards import StreamShards
 from tests.support.redis_topology import redis_shards
 from worker.engine.engine import SequenceOutput
 from worker.job_state import JobState
+from worker.job_writer import JobWriter
 from worker.publisher import Publisher
 
 PREFIX = "relaybench"
@@ -55,6 +58,7 @@ class Level:
     num_publishers: int
     num_readers: int
     redis_url: str
+    shard_urls: tuple[str, ...] = ()  # LLM_RELAY_REDIS_URLS; empty: streams on redis_url
 
 
 @dataclass
@@ -82,11 +86,15 @@ class SyntheticWorker:
     """A worker without a model: its 'engine' gives each of its jobs one token per step."""
 
     def __init__(
-        self, client: redis.asyncio.Redis, job_indexes: list[int], window: tuple[float, float]
+        self,
+        client: redis.asyncio.Redis,
+        shards: StreamShards,
+        job_indexes: list[int],
+        window: tuple[float, float],
     ) -> None:
         loop = asyncio.get_running_loop()
         self.jobs = {job_id(i): JobState.create(_payload(i), 1, [1], loop) for i in job_indexes}
-        store = JobStore(client, Keys(PREFIX), ttl_s=600, stream_maxlen=10_000)
+        store = JobWriter(client, Keys(PREFIX), 600, 10_000, shards=shards)
         self.publisher = Publisher(client, store, self.jobs, None, lambda _job: None)  # type: ignore[arg-type]
         self.window = window
         self.num_published = 0  # within the measured window
@@ -104,10 +112,11 @@ class SyntheticWorker:
 
 async def _publish(level: Level, job_indexes: list[int], start_at: float) -> dict:
     client = redis.asyncio.Redis.from_url(level.redis_url)
+    shards = StreamShards(client, list(level.shard_urls))
     groups = [job_indexes[i : i + level.batch] for i in range(0, len(job_indexes), level.batch)]
     end_at = start_at + level.seconds
     window = (start_at + level.warmup_s, end_at)
-    workers = [SyntheticWorker(client, group, window) for group in groups]
+    workers = [SyntheticWorker(client, shards, group, window) for group in groups]
     runners = [asyncio.create_task(w.publisher.run()) for w in workers]
     await asyncio.sleep(max(0.0, start_at - time.time()))
     period, next_at = 1.0 / level.rate, time.monotonic()
@@ -121,14 +130,16 @@ async def _publish(level: Level, job_indexes: list[int], start_at: float) -> dic
         await asyncio.sleep(max(delay, 0.0))
     for runner in runners:
         runner.cancel()
+    await shards.aclose()
     await client.aclose()
     return {"published_in_window": sum(w.num_published for w in workers)}
 
 
 async def _read(level: Level, job_indexes: list[int], start_at: float) -> dict:
     client = redis.asyncio.Redis.from_url(level.redis_url)
-    relay = Relay(client, Keys(PREFIX))
-    reads = _count_reads(client)
+    shards = StreamShards(client, list(level.shard_urls))
+    relay = Relay(client, Keys(PREFIX), shards=shards)
+    reads = _count_reads(shards.clients)
     measure_at, end_at = start_at + level.warmup_s, start_at + level.seconds
     latencies: list[float] = []
     counts = [0]
@@ -152,18 +163,19 @@ async def _read(level: Level, job_indexes: list[int], start_at: float) -> dict:
     return {"delivered_in_window": counts[0], "latencies": latencies, **reads}
 
 
-def _count_reads(client: redis.asyncio.Redis) -> dict[str, int]:
+def _count_reads(clients: list[redis.asyncio.Redis]) -> dict[str, int]:
     """Counts the relay's XREAD calls and the entries they return (what a read costs)."""
     counts = {"num_reads": 0, "num_entries_read": 0}
-    xread = client.xread
+    for client in clients:
+        xread = client.xread
 
-    async def counted(*args: object, **kwargs: object) -> object:
-        replies = await xread(*args, **kwargs)
-        counts["num_reads"] += 1
-        counts["num_entries_read"] += sum(len(entries) for _, entries in replies or [])
-        return replies
+        async def counted(*args: object, _xread=xread, **kwargs: object) -> object:  # noqa: ANN001
+            replies = await _xread(*args, **kwargs)
+            counts["num_reads"] += 1
+            counts["num_entries_read"] += sum(len(entries) for _, entries in replies or [])
+            return replies
 
-    client.xread = counted  # type: ignore[method-assign]
+        client.xread = counted  # type: ignore[method-assign]
     return counts
 
 
@@ -178,9 +190,10 @@ def _process_main(kind: str, level: Level, job_indexes: list[int], pipe: Connect
     pipe.send(result)
 
 
-def _redis_cpu_s(url: str) -> float:
-    info = redis.Redis.from_url(url).info("cpu")
-    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+def _redis_cpu_s(urls: tuple[str, ...]) -> list[float]:
+    """CPU seconds (user + sys) each Redis has used so far."""
+    infos = [redis.Redis.from_url(url).info("cpu") for url in urls]
+    return [float(i["used_cpu_user"]) + float(i["used_cpu_sys"]) for i in infos]
 
 
 def _split(indexes: list[int], parts: int) -> list[list[int]]:
@@ -203,17 +216,23 @@ def run_level(level: Level) -> Result:
     for _, pipe, _ in procs:
         pipe.send(start_at)
     time.sleep(max(0.0, start_at + level.warmup_s - time.time()))
-    cpu_before, window_at = _redis_cpu_s(level.redis_url), time.time()
+    stream_redis = level.shard_urls or (level.redis_url,)
+    cpu_before, window_at = _redis_cpu_s(stream_redis), time.time()
     time.sleep(max(0.0, start_at + level.seconds - time.time()))
-    redis_cpu = (_redis_cpu_s(level.redis_url) - cpu_before) / (time.time() - window_at)
+    elapsed = time.time() - window_at
+    redis_cpu = [
+        (after - before) / elapsed
+        for before, after in zip(cpu_before, _redis_cpu_s(stream_redis), strict=True)
+    ]
     parts = [(kind, pipe.recv()) for kind, pipe, _ in procs]
     for _, _, proc in procs:
         proc.join(timeout=60)
     return _combine(level, parts, redis_cpu)
 
 
-def _combine(level: Level, parts: list[tuple[str, dict]], redis_cpu: float) -> Result:
+def _combine(level: Level, parts: list[tuple[str, dict]], per_shard_cpu: list[float]) -> Result:
     window = level.seconds - level.warmup_s
+    redis_cpu = sum(per_shard_cpu)
     delivered = sum(p["delivered_in_window"] for k, p in parts if k == "read") / window
     offered = sum(p["published_in_window"] for k, p in parts if k == "publish") / window
     latencies = sorted(x for k, p in parts if k == "read" for x in p["latencies"])
@@ -229,6 +248,8 @@ def _combine(level: Level, parts: list[tuple[str, dict]], redis_cpu: float) -> R
         redis_cpu_us_per_token=round(redis_cpu * 1e6 / offered, 2) if offered else 0.0,
         extra={
             "reads_per_s": round(sum(p.get("num_reads", 0) for _, p in parts) / level.seconds),
+            "num_shards": len(level.shard_urls),
+            "redis_cpu_cores_per_shard": [round(c, 3) for c in per_shard_cpu],
             "entries_per_read": round(
                 sum(p.get("num_entries_read", 0) for _, p in parts)
                 / max(1, sum(p.get("num_reads", 0) for _, p in parts)),
@@ -236,6 +257,23 @@ def _combine(level: Level, parts: list[tuple[str, dict]], redis_cpu: float) -> R
             ),
         },
     )
+
+
+def _measure(args: argparse.Namespace, seconds: float, num_streams: int, num_shards: int) -> Result:
+    """One level on fresh redis-servers: the main one, and `num_shards` for the streams."""
+    with redis_shards(1 + num_shards) as (main, *shards):
+        level = Level(
+            num_streams,
+            args.rate,
+            args.batch,
+            seconds,
+            min(args.warmup_s, seconds / 2),
+            args.publishers,
+            args.readers,
+            main.url,
+            tuple(node.url for node in shards),
+        )
+        return run_level(level)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -247,25 +285,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup-s", type=float, default=5.0)
     parser.add_argument("--publishers", type=int, default=2, help="publishing processes")
     parser.add_argument("--readers", type=int, default=2, help="relay processes (API-like)")
+    parser.add_argument(
+        "--shards",
+        default="0",
+        help="comma-separated shard counts (LLM_RELAY_REDIS_URLS); 0: the streams on one Redis",
+    )
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
     seconds = min(args.seconds, MAX_SECONDS)
     results = []
-    for num_streams in (int(n) for n in args.streams.split(",")):
-        with redis_shards(1) as (node,):
-            level = Level(
-                num_streams,
-                args.rate,
-                args.batch,
-                seconds,
-                min(args.warmup_s, seconds / 2),
-                args.publishers,
-                args.readers,
-                node.url,
-            )
-            result = run_level(level)
-        print(json.dumps(asdict(result)), flush=True)
-        results.append(asdict(result))
+    for num_shards in (int(n) for n in args.shards.split(",")):
+        for num_streams in (int(n) for n in args.streams.split(",")):
+            result = _measure(args, seconds, num_streams, num_shards)
+            print(json.dumps(asdict(result)), flush=True)
+            results.append(asdict(result))
     if args.json:
         machine = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}
         args.json.write_text(
