@@ -23,7 +23,7 @@ from shared.queue import deserialize_job, serialize_job
 from shared.redis_url import arq_redis_settings
 from shared.retry import FOREVER, Backoff, retry
 from shared.tokenizer import load_tokenizer
-from worker.arq_adapter import LadleWorker
+from worker.arq_adapter import LadleWorker, lane_workers
 from worker.engine.config import EngineConfig
 from worker.engine.engine import EngineStats, LLMEngine
 from worker.engine_thread import EngineHost
@@ -75,8 +75,7 @@ class WorkerProcess:
         )
         heartbeat.start()
         self._serve_metrics(metrics)
-        # One arq worker per lane of this model's queues, sharing the engine and admission.
-        workers = [LadleWorker(service, s, pool, lane) for lane in s.worker_lanes]
+        workers = lane_workers(service, s, pool)
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(sig, self._stopping.set)
         runners = [asyncio.create_task(w.async_run()) for w in workers]
