@@ -9,7 +9,6 @@ from typing import Any
 from arq.connections import ArqRedis
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
-from redis.asyncio import ConnectionPool
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -25,6 +24,7 @@ from api.embeddings import routes as embedding_routes
 from api.errors import install_error_handlers
 from api.jobs import routes as job_routes
 from api.jobs.idempotency import IdempotencyStore
+from api.jobs.reconcile import FailoverReconciler
 from api.jobs.relay import Relay
 from api.jobs.store import JobStore
 from api.jobs.workers import WorkerDirectory
@@ -42,21 +42,27 @@ from shared.contracts import QUEUED_GRACE_S
 from shared.keys import Keys
 from shared.metrics import ApiMetrics
 from shared.queue import deserialize_job, serialize_job
+from shared.redis_url import async_pool
+from shared.relay_shards import StreamShards
+
+
+def _pool_options() -> dict[str, Any]:
+    return {
+        "socket_connect_timeout": 2.0,
+        "health_check_interval": 30,
+        "retry": Retry(ExponentialBackoff(cap=0.5, base=0.05), 2),
+        "retry_on_error": [RedisConnectionError, RedisTimeoutError],
+    }
 
 
 def make_redis(settings: Settings, keys: Keys) -> ArqRedis:
     """An arq-capable client that does not connect yet (arq's `create_pool` pings at once,
-    which would stop the API from starting, and answering 503, while Redis is down).
+    which would stop the API from starting, and answering 503, while Redis is down). With a
+    Sentinel URL each new connection goes to the primary the sentinels name now.
 
     A command on a pooled connection that Redis dropped (it restarted) reconnects and is
     sent again, twice at most, so the first requests after an outage do not fail."""
-    pool = ConnectionPool.from_url(
-        settings.redis_url,
-        socket_connect_timeout=2.0,
-        health_check_interval=30,
-        retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 2),
-        retry_on_error=[RedisConnectionError, RedisTimeoutError],
-    )
+    pool = async_pool(settings.redis_url, **_pool_options())
     return ArqRedis(
         pool,
         job_serializer=serialize_job,
@@ -74,6 +80,7 @@ def build_services(
     redis = redis if redis is not None else make_redis(settings, keys)
     workers = WorkerDirectory(redis, keys, settings.worker_ttl_s)
     limiter = RateLimiter(redis, keys)
+    shards = StreamShards(redis, settings.relay_redis_urls, **_pool_options())
     return Services(
         settings=settings,
         keys=keys,
@@ -83,8 +90,9 @@ def build_services(
             keys,
             verify_delay_s=max(2.0, 5 * settings.heartbeat_interval_s),
             max_buffered=settings.stream_buffer_events,
+            shards=shards,
         ),
-        jobs=JobStore(redis, keys, settings, limiter),
+        jobs=JobStore(redis, keys, settings, limiter, shards),
         workers=workers,
         tokenizer=TokenizerHolder(settings, tokenizer_loader, workers.source),
         metrics=ApiMetrics(),
@@ -125,6 +133,10 @@ def create_app(
         tracing.configure(settings.otel_endpoint, "ladle-api")
         services.tokenizer.preload()
         services.relay.start()
+        reconciler = FailoverReconciler(
+            services.redis, services.keys, settings.job_ttl_s, services.jobs.shards
+        )
+        reconciler.start()
         control = None
         if settings.batch_control:
             runner = BatchRunner(services, services.batches, services.files)
@@ -133,8 +145,10 @@ def create_app(
         yield
         if control is not None:
             await control.stop()
+        await reconciler.stop()
         await services.relay.stop()
         await services.jobs.drain()
+        await services.jobs.shards.aclose()
         await services.redis.aclose()
         tracing.shutdown()
 

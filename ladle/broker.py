@@ -22,6 +22,7 @@ from typing import Literal
 import redis
 
 from shared.logging import safe_url
+from shared.redis_url import check_url, sync_client
 
 logger = logging.getLogger("ladle.broker")
 
@@ -52,9 +53,7 @@ class BrokerHandle:
 def ping(url: str, timeout_s: float = 1.0) -> bool:
     """True if a Redis server answers PING at `url` within the timeout."""
     try:
-        client = redis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
-        )
+        client = sync_client(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         try:
             return bool(client.ping())
         finally:
@@ -77,7 +76,7 @@ def redis_server_binary() -> str | None:
 
 def lua_works(url: str) -> bool:
     """True if the server at `url` runs Lua scripts (EVAL and EVALSHA)."""
-    client = redis.Redis.from_url(url, socket_timeout=2.0)
+    client = sync_client(url, socket_timeout=2.0)
     try:
         script = client.register_script(_LUA_PROBE)
         return script(keys=["ladle:broker-probe"], args=["ok"]) == b"ok"
@@ -182,11 +181,25 @@ def start_embedded_broker() -> BrokerHandle:
     return BrokerHandle(url, "embedded", stop)
 
 
-def find_or_start_redis(url: str, *, allow_start: bool = True) -> BrokerHandle:
-    """Use the Redis at `url` if it answers, else start a private or an embedded one."""
+def find_or_start_redis(
+    url: str, *, allow_start: bool = True, is_default: bool = True
+) -> BrokerHandle:
+    """Use the Redis at `url` if it answers, else start a private or an embedded one. A URL
+    the user set (`is_default` false) is never replaced: one that does not answer is an
+    error, since serving from another Redis would leave their Redis (a Sentinel-managed
+    primary, say) empty while the jobs went elsewhere."""
+    try:
+        check_url(url)
+    except ValueError as exc:
+        raise BrokerError(str(exc)) from exc
     if ping(url):
         logger.warning("BROKER: using the configured Redis at %s", safe_url(url))
         return BrokerHandle(url, "configured")
+    if not is_default:
+        raise BrokerError(
+            f"nothing answers at LLM_REDIS_URL={safe_url(url)}; start that Redis, or unset "
+            "LLM_REDIS_URL to have `ladle up` start a private one"
+        )
     if not allow_start:
         raise BrokerError(f"no Redis answers at {safe_url(url)}")
     logger.warning("BROKER: nothing answers at %s; starting one for this run", safe_url(url))

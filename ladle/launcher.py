@@ -249,7 +249,11 @@ def run_up(options: UpOptions) -> int:
     settings = settings_for(options)
     setup_logging(settings.log_level)
     try:
-        broker = find_or_start_redis(settings.redis_url, allow_start=options.start_redis)
+        broker = find_or_start_redis(
+            settings.redis_url,
+            allow_start=options.start_redis,
+            is_default="redis_url" not in settings.model_fields_set,
+        )
     except BrokerError as exc:
         logger.error("no Redis: %s", exc)
         return 1

@@ -23,6 +23,7 @@ import redis
 from shared.config import Settings
 from shared.contracts import ChildState, ChildStatus, SupervisorRecord
 from shared.keys import Keys
+from shared.redis_url import sync_client
 
 logger = logging.getLogger("ladle.supervisor")
 
@@ -217,9 +218,7 @@ class StatusPublisher:
     costs a skipped update: the supervisor must never wait on Redis."""
 
     def __init__(self, redis_url: str, keys: Keys, interval_s: float = 1.0) -> None:
-        self.client = redis.Redis.from_url(
-            redis_url, socket_timeout=0.5, socket_connect_timeout=0.5
-        )
+        self.client = sync_client(redis_url, socket_timeout=0.5, socket_connect_timeout=0.5)
         self.keys = keys
         self.interval_s = interval_s
         self.supervisor_id = f"{socket.gethostname()}-{os.getpid()}"

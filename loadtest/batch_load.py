@@ -34,6 +34,7 @@ import redis
 
 from loadtest.bench_serve import spare_port
 from loadtest.up import UpProcess, kill_child
+from shared.keys import Keys
 
 FINAL = ("completed", "failed", "expired", "cancelled")
 
@@ -95,7 +96,7 @@ def cleanup(up: UpProcess) -> None:
     client = redis.Redis.from_url(up.redis_url)
     prefix = up.env["LLM_KEY_PREFIX"]
     for key in client.scan_iter(f"{prefix}:job:*", count=1000):
-        job_id = key.decode().rsplit(":", 1)[-1]
+        job_id = Keys.job_id_of(key)
         client.delete(*(f"arq:{kind}:{job_id}" for kind in ("job", "result", "retry")))
     for pattern in (f"{prefix}:*", f"arq:*{prefix}*"):
         keys = list(client.scan_iter(pattern, count=1000))

@@ -14,6 +14,13 @@ accepted job is followed to a final state, and the ledger is printed: sent, comp
 by reason, lost (must be 0), duplicated or wrong outputs (0), batch lines answered (all), KV
 blocks and running sequences left on every worker (0), 5xx other than documented 503s (0).
 Exit code 1 if any of those is off. Everything is bounded in time and runs on 127.0.0.1.
+
+With `--sentinel` Redis is a Sentinel group instead (one primary, one replica, three
+sentinels; `redis+sentinel://` everywhere): the Redis restart becomes `--primary-kills` (2)
+SIGKILLs of whichever node is primary, spread over the run, each failover timed and the
+killed node started again so that it rejoins as the new primary's replica.
+
+    python -m loadtest.chaos --sentinel --seconds 300 --json chaos-sentinel.json
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from loadtest.chaos_load import PROMPTS, Clients, Ledger, poll_job, request_body
 from loadtest.chaos_sweep import check_redis, run_batches, wait_idle
 from loadtest.up import UpProcess, kill_child
 from tests.support.harness import RedisServer
+from tests.support.redis_topology import SentinelGroup, sentinel_group
 
 LEASE_S = 3.0  # LLM_WORKER_TTL_S: a worker silent this long loses its jobs' leases
 
@@ -53,6 +61,8 @@ class ChaosConfig:
     batch_every: float = 90.0
     batch_lines: int = 20
     seed: int = 0
+    sentinel: bool = False
+    primary_kills: int = 2
 
 
 def service_env(config: ChaosConfig, redis_url: str, model_path: str) -> dict[str, str]:
@@ -94,7 +104,13 @@ def model_path(config: ChaosConfig, workdir: Path) -> str:
 class Faults:
     """The fault schedule, run as one task beside the load."""
 
-    def __init__(self, up: UpProcess, redis: RedisServer, config: ChaosConfig, ledger: Ledger):
+    def __init__(
+        self,
+        up: UpProcess,
+        redis: RedisServer | SentinelGroup,
+        config: ChaosConfig,
+        ledger: Ledger,
+    ):
         self.up, self.redis, self.config, self.ledger = up, redis, config, ledger
         self.rng = random.Random(config.seed)
 
@@ -106,6 +122,11 @@ class Faults:
     async def run(self, started: float, stop_at: float) -> None:
         duration = stop_at - started
         once = [(0.3, self.stop_a_worker), (0.5, self.restart_redis), (0.7, self.restart_api)]
+        if isinstance(self.redis, SentinelGroup):
+            kills = self.config.primary_kills
+            once = [(0.3, self.stop_a_worker), (0.7, self.restart_api)]
+            once += [((i + 1) / (kills + 1) + 0.05, self.kill_the_primary) for i in range(kills)]
+            once.sort(key=lambda item: item[0])
         next_kill = started + self.rng.uniform(*self.config.kill_every)
         while time.monotonic() < stop_at:
             now = time.monotonic()
@@ -145,6 +166,18 @@ class Faults:
         await asyncio.to_thread(self.redis.start)
         self.note(started, "Redis started again")
 
+    async def kill_the_primary(self, started: float) -> None:
+        group = self.redis
+        assert isinstance(group, SentinelGroup)
+        old = group.current_primary()
+        self.note(started, f"SIGKILL the Redis primary (port {old.port})")
+        failover_s = await asyncio.to_thread(group.kill_primary)
+        self.ledger.failover_s.append(round(failover_s, 2))
+        self.note(started, f"sentinels named a new primary after {failover_s:.1f} s")
+        await asyncio.to_thread(group.restart_as_replica, old)
+        await asyncio.to_thread(group.wait_in_sync, 60.0)
+        self.note(started, f"port {old.port} back as the new primary's replica")
+
     async def restart_api(self, started: float) -> None:
         self.note(started, f"API SIGTERM (pid {kill_child(self.up, 'api', signal.SIGTERM)})")
 
@@ -170,14 +203,26 @@ async def settle(up: UpProcess, ledger: Ledger, http: httpx.AsyncClient) -> None
     results = await asyncio.gather(*(follow(job_id) for job_id in ledger.job_ids))
     # Jobs still not final are counted by check_redis (with those no client knew of).
     ledger.lost += sum(r is not None and r["status"] == "missing" for r in results)
-    await wait_idle(up, http, ledger)
-    await asyncio.to_thread(check_redis, up, ledger)
+    await wait_idle(up.num_workers, http, ledger)
+    await asyncio.to_thread(check_redis, up.redis_url, up.keys, ledger)
 
 
 async def run(config: ChaosConfig, workdir: Path) -> Ledger:
+    if config.sentinel:
+        with sentinel_group(workdir / "redis") as group:
+            return await _run(config, workdir, group, group.url)
     redis = RedisServer(workdir / "redis", aof=True)  # appendfsync everysec
     redis.start()
-    env = service_env(config, redis.url, model_path(config, workdir))
+    try:
+        return await _run(config, workdir, redis, redis.url)
+    finally:
+        redis.stop()
+
+
+async def _run(
+    config: ChaosConfig, workdir: Path, redis: RedisServer | SentinelGroup, redis_url: str
+) -> Ledger:
+    env = service_env(config, redis_url, model_path(config, workdir))
     up = UpProcess(env, spare_port(), config.workers, workdir / "up.log")
     up.start()
     ledger = Ledger()
@@ -197,7 +242,6 @@ async def run(config: ChaosConfig, workdir: Path) -> Ledger:
             await settle(up, ledger, http)
     finally:
         up.stop()
-        redis.stop()
     return ledger
 
 
@@ -218,6 +262,8 @@ def markdown(ledger: Ledger, config: ChaosConfig) -> str:
         ("running sequences left per worker", ledger.running_left),
         ("5xx other than documented 503s", ledger.undocumented_5xx),
     ]
+    if ledger.failover_s:
+        rows.append(("Sentinel failovers (s until a new primary)", ledger.failover_s))
     return "\n".join(["| figure | value |", "|---|---|", *(f"| {a} | {b} |" for a, b in rows)])
 
 
@@ -231,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-every", type=float, default=90.0)
     parser.add_argument("--batch-lines", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sentinel", action="store_true", help="Redis as a Sentinel group")
+    parser.add_argument("--primary-kills", type=int, default=2, help="with --sentinel")
     parser.add_argument("--json", type=Path, help="write the ledger here too")
     args = parser.parse_args(argv)
     config = ChaosConfig(
@@ -242,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         batch_every=args.batch_every,
         batch_lines=args.batch_lines,
         seed=args.seed,
+        sentinel=args.sentinel,
+        primary_kills=args.primary_kills,
     )
     with tempfile.TemporaryDirectory(prefix="ladle-chaos-") as tmp:
         ledger = asyncio.run(run(config, Path(tmp)))

@@ -13,9 +13,17 @@ from dataclasses import dataclass, field
 import httpx
 
 # What a client may see while faults are injected, all documented (docs/reliability.md):
-# Redis away or full, no worker alive for a moment, a job lost with Redis, the API draining.
+# Redis away or full, no worker alive for a moment, a job lost with Redis, the API draining,
+# a submission no replica confirmed (it may run: a retry with its Idempotency-Key replays it).
 DOCUMENTED_503 = frozenset(
-    {"redis_unavailable", "redis_out_of_memory", "no_workers", "job_lost", "server_shutting_down"}
+    {
+        "redis_unavailable",
+        "redis_out_of_memory",
+        "no_workers",
+        "job_lost",
+        "server_shutting_down",
+        "not_replicated",
+    }
 )
 PROMPTS = ["w5 w17 w99 w42", "w7 w128 w64", "w11 w12 w13 w14 w15", "w300 w2 w9"]
 KINDS = ("sync", "stream", "job")
@@ -39,6 +47,7 @@ class Ledger:
     running_left: dict[str, int] = field(default_factory=dict)
     faults: list[str] = field(default_factory=list)
     details: list[str] = field(default_factory=list)  # what each duplicate or wrong output was
+    failover_s: list[float] = field(default_factory=list)  # Sentinel: until a new primary
     # Accepted jobs whose final state no client has seen yet: followed up at the end.
     job_ids: set[str] = field(default_factory=set, repr=False)
 

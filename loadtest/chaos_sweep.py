@@ -10,10 +10,10 @@ import time
 from typing import TYPE_CHECKING
 
 import httpx
-import redis
 
 from loadtest.chaos_load import PROMPTS, Ledger, request_body
-from loadtest.up import UpProcess
+from shared.keys import Keys
+from shared.redis_url import sync_client
 
 if TYPE_CHECKING:
     from loadtest.chaos import ChaosConfig
@@ -100,7 +100,7 @@ async def _collect(
             ledger.details.append(f"batch {batch_id} line {cid} answered {count} times")
 
 
-async def wait_idle(up: UpProcess, http: httpx.AsyncClient, ledger: Ledger) -> None:
+async def wait_idle(num_workers: int, http: httpx.AsyncClient, ledger: Ledger) -> None:
     """Until every worker is back and idle (120 s at most); record what each one holds."""
     deadline = time.monotonic() + 120
     workers: list[dict] = []
@@ -110,28 +110,27 @@ async def wait_idle(up: UpProcess, http: httpx.AsyncClient, ledger: Ledger) -> N
         except (httpx.HTTPError, ValueError, KeyError):
             workers = []
         idle = all(w["kv_blocks_used"] == 0 and w["running"] == 0 for w in workers)
-        if len(workers) >= up.num_workers and idle:
+        if len(workers) >= num_workers and idle:
             break
         await asyncio.sleep(0.5)
     for worker in workers:
         ledger.kv_blocks_left[worker["id"]] = worker["kv_blocks_used"]
         ledger.running_left[worker["id"]] = worker["running"]
-    if len(workers) < up.num_workers:
-        ledger.kv_blocks_left["missing workers"] = up.num_workers - len(workers)
+    if len(workers) < num_workers:
+        ledger.kv_blocks_left["missing workers"] = num_workers - len(workers)
 
 
-def check_redis(up: UpProcess, ledger: Ledger) -> None:
+def check_redis(redis_url: str, keys: Keys, ledger: Ledger) -> None:
     """Every job record final; no stream with two terminal events (a duplicated output)."""
-    client = redis.Redis.from_url(up.redis_url)
-    prefix = up.keys.prefix
-    for key in client.scan_iter(f"{prefix}:job:*", count=500):
+    client = sync_client(redis_url, socket_timeout=5)
+    for key in client.scan_iter(f"{keys.prefix}:job:*", count=500):
         raw = client.get(key)
         if raw is None:
             continue
         record = json.loads(raw)
         if record["status"] not in FINAL:
             ledger.lost += 1
-        entries = client.xrange(up.keys.stream(record["id"]))
+        entries = client.xrange(keys.stream(record["id"]))
         types = [json.loads(fields[b"data"]).get("type") for _, fields in entries]
         extra = sum(t in ("done", "error") for t in types) - 1
         if extra > 0:

@@ -20,6 +20,7 @@ import redis
 
 from shared.contracts import ChildStatus, SupervisorRecord
 from shared.keys import Keys
+from shared.redis_url import sync_client
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,7 +57,7 @@ class UpProcess:
     def children(self) -> dict[str, ChildStatus]:
         """name -> status, from the supervisor's record ({} while Redis is away)."""
         try:
-            client = redis.Redis.from_url(self.redis_url, socket_timeout=2)
+            client = sync_client(self.redis_url, socket_timeout=2)
             ids = client.zrange(self.keys.supervisors, 0, -1)
             raws = client.mget([self.keys.supervisor(i.decode()) for i in ids]) if ids else []
         except (redis.RedisError, OSError):

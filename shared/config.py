@@ -109,6 +109,18 @@ class Settings(BaseSettings):
     )
     worker_max_queued: int = Field(4, ge=0, description="jobs taken beyond what can run now")
     worker_metrics_port: int = Field(9101, ge=0, description="worker /metrics port; 0: off")
+    # Token streams spread over these Redis instances (shared/relay_shards.py); empty: on
+    # LLM_REDIS_URL with everything else.
+    relay_redis_urls: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="comma-separated Redis URLs that hold the job streams, by job id hash",
+    )
+    # A batch-only worker group can scale to zero on its lane's queue (deploy/k8s/keda.yaml).
+    worker_lanes: Annotated[list[Literal["interactive", "batch"]], NoDecode] = Field(
+        default_factory=lambda: ["interactive", "batch"],
+        min_length=1,
+        description="the lanes of its model's queues a worker takes jobs from",
+    )
 
     # Supervisor (`ladle up`): restarts children that exit unexpectedly
     restart_backoff_s: float = Field(
@@ -179,7 +191,7 @@ class Settings(BaseSettings):
         description="OTLP/HTTP base URL (http://host:4318) for traces; unset: tracing off",
     )
 
-    @field_validator("api_keys", "cors_origins", mode="before")
+    @field_validator("api_keys", "cors_origins", "worker_lanes", "relay_redis_urls", mode="before")
     @classmethod
     def _comma_separated(cls, value: object) -> object:
         return _split_csv(value)

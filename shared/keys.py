@@ -83,18 +83,26 @@ class Keys:
     def worker(self, worker_id: str) -> str:
         return f"{self.prefix}:worker:{worker_id}"
 
+    # Per-job keys carry the job id as a hash tag (`{id}`): a Redis Cluster puts all of one
+    # job's keys in one slot, and a sharded relay picks a job's shard from the same id.
     def job(self, job_id: str) -> str:
-        return f"{self.prefix}:job:{job_id}"
+        return f"{self.prefix}:job:{{{job_id}}}"
 
     def payload(self, job_id: str) -> str:
-        return f"{self.prefix}:payload:{job_id}"
+        return f"{self.prefix}:payload:{{{job_id}}}"
 
     def stream(self, job_id: str) -> str:
-        return f"{self.prefix}:stream:{job_id}"
+        return f"{self.prefix}:stream:{{{job_id}}}"
 
     def cancelled(self, job_id: str) -> str:
         """Set when a job is cancelled, so a worker picking it up later skips it."""
-        return f"{self.prefix}:cancelled:{job_id}"
+        return f"{self.prefix}:cancelled:{{{job_id}}}"
+
+    @staticmethod
+    def job_id_of(key: str | bytes) -> str:
+        """The job id in a per-job key: `ladle:job:{job-abc}` -> `job-abc`."""
+        text = key.decode() if isinstance(key, bytes) else key
+        return text.rsplit(":", 1)[-1].strip("{}")
 
     def key_jobs(self, api_key_id: str) -> str:
         """Set of a key's unfinished job ids (per-key concurrency limit)."""

@@ -60,8 +60,13 @@ def setup_logging(level: str | int = "INFO") -> None:
 
 
 def safe_url(url: str) -> str:
-    """The URL without credentials, for logs."""
+    """The URL without credentials (user, password, `*password=` options), for logs."""
+    url, _, query = url.partition("?")
+    if query:
+        pairs = [pair.partition("=") for pair in query.split("&")]
+        query = "&".join(k + s + ("***" if "password" in k else v) for k, s, v in pairs)
+        query = "?" + query
     if "@" not in url:
-        return url
+        return url + query
     scheme, _, rest = url.partition("://")
-    return f"{scheme}://***@{rest.split('@', 1)[1]}"
+    return f"{scheme}://***@{rest.split('@', 1)[1]}{query}"

@@ -234,3 +234,8 @@ async def _until_redis_answers(op: Callable[[], Awaitable[None]], what: str) -> 
     await retry(
         op, on=(RedisError, OSError), what=what, backoff=POLL_BACKOFF, give_up_after_s=FOREVER
     )
+
+
+def lane_workers(service: WorkerService, settings: Settings, pool: ArqRedis) -> list[LadleWorker]:
+    """One arq worker per lane in `LLM_WORKER_LANES`, all over the one engine and admission."""
+    return [LadleWorker(service, settings, pool, lane) for lane in settings.worker_lanes]

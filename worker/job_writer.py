@@ -15,6 +15,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from shared.contracts import FINAL_STATUSES, QUEUED_GRACE_S, JobRecord, encode_event
 from shared.keys import Keys
 from shared.ratelimit import settle_lua
+from shared.relay_shards import StreamShards
 from shared.retry import Backoff, retry
 
 logger = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[3])
 if ARGV[2] ~= '' then
   redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'data', ARGV[2])
 end
-redis.call('EXPIRE', KEYS[2], ARGV[3])
+if KEYS[2] ~= '' then redis.call('EXPIRE', KEYS[2], ARGV[3]) end
 if KEYS[3] ~= '' then redis.call('SREM', KEYS[3], ARGV[5]) end
 if ARGV[6] ~= '' then redis.call('SET', KEYS[4], ARGV[6], 'NX') end
 redis.call('EXPIRE', KEYS[4], ARGV[3])
@@ -71,8 +72,10 @@ class JobWriter:
         ttl_s: int,
         stream_maxlen: int,
         deadline_s: float = WRITE_DEADLINE_S,
+        shards: StreamShards | None = None,
     ) -> None:
         self.redis = redis
+        self.shards = shards or StreamShards(redis, [])
         self.keys = keys
         self.ttl_s = ttl_s
         self.stream_maxlen = stream_maxlen
@@ -129,8 +132,10 @@ class JobWriter:
         )
 
     async def append_now(self, job_id: str, event: object) -> None:
+        client = self.shards.for_stream(self.keys.stream(job_id))
+
         async def write() -> None:
-            async with self.redis.pipeline(transaction=False) as pipe:
+            async with client.pipeline(transaction=False) as pipe:
                 self.append(pipe, job_id, event)
                 pipe.expire(self.keys.stream(job_id), self.ttl_s + 3600)
                 await pipe.execute()
@@ -154,9 +159,12 @@ class JobWriter:
         record.finished_at = time.time()
         key_jobs = self.keys.key_jobs(record.api_key_id) if record.api_key_id else ""
         reserved = record.reservation
+        # With sharded streams the record's compare-and-set runs on the main Redis and its
+        # winner alone appends the last event to the stream's shard after it.
+        on_main = not self.shards.is_sharded
         keys = [
             self.keys.job(record.id),
-            self.keys.stream(record.id),
+            self.keys.stream(record.id) if on_main else "",
             key_jobs,
             self.keys.payload(record.id),
             self.keys.cancelled(record.id),  # expire with it
@@ -164,7 +172,7 @@ class JobWriter:
         ]
         args = [
             record.model_dump_json(),
-            encode_event(last_event) if last_event else "",
+            encode_event(last_event) if last_event and on_main else "",
             self.ttl_s,
             self.stream_maxlen,
             record.id,
@@ -175,4 +183,19 @@ class JobWriter:
         done = await self._until_deadline(
             lambda: self._finish(keys=keys, args=args), "writing a final record"
         )
+        if done and not on_main:
+            await self._append_last(record.id, last_event)
         return bool(done)
+
+    async def _append_last(self, job_id: str, last_event: object | None) -> None:
+        stream = self.keys.stream(job_id)
+        client = self.shards.for_stream(stream)
+
+        async def write() -> None:
+            async with client.pipeline(transaction=False) as pipe:
+                if last_event is not None:
+                    self.append(pipe, job_id, last_event)
+                pipe.expire(stream, self.ttl_s)
+                await pipe.execute()
+
+        await self._until_deadline(write, "appending the last event")

@@ -20,9 +20,10 @@ from shared.keys import Keys
 from shared.logging import safe_url
 from shared.metrics import WorkerMetrics
 from shared.queue import deserialize_job, serialize_job
+from shared.redis_url import arq_redis_settings
 from shared.retry import FOREVER, Backoff, retry
 from shared.tokenizer import load_tokenizer
-from worker.arq_adapter import LadleWorker
+from worker.arq_adapter import LadleWorker, lane_workers
 from worker.engine.config import EngineConfig
 from worker.engine.embedding import EmbeddingEngine, build_embedding_engine
 from worker.engine.engine import EngineStats, LLMEngine
@@ -30,7 +31,6 @@ from worker.engine_thread import EngineHost
 from worker.heartbeat import Heartbeat, default_worker_id
 from worker.metrics import WorkerMetricsRecorder
 from worker.models.pooling_loader import is_pooling_model
-from worker.redis_settings import arq_redis_settings
 from worker.service import WorkerService
 
 logger = logging.getLogger("worker")
@@ -78,8 +78,7 @@ class WorkerProcess:
         )
         heartbeat.start()
         self._serve_metrics(metrics)
-        # One arq worker per lane of this model's queues, sharing the engine and admission.
-        workers = [LadleWorker(service, s, pool, lane) for lane in ("interactive", "batch")]
+        workers = lane_workers(service, s, pool)
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(sig, self._stopping.set)
         runners = [asyncio.create_task(w.async_run()) for w in workers]

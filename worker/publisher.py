@@ -9,6 +9,7 @@ from collections.abc import Callable
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from shared.replication import NotReplicated, ReplicaWaiter
 from shared.retry import FOREVER, Backoff, retry
 from shared.tokenizer import Tokenizer
 from worker.engine.engine import SequenceOutput
@@ -43,6 +44,7 @@ class Publisher:
         self.on_finished = on_finished
         self.metrics = metrics
         self.loop = asyncio.get_running_loop()
+        self.replicas = [ReplicaWaiter(client) for client in store.shards.clients]
         self._outputs: asyncio.Queue[list[SequenceOutput]] = asyncio.Queue()
 
     def on_outputs(self, outputs: list[SequenceOutput]) -> None:
@@ -82,12 +84,27 @@ class Publisher:
 
     async def _write_events(self, entries: list[tuple[str, object]]) -> None:
         """Redis blinking must not drop tokens: retried until written, however long."""
+        by_shard: dict[int, list[tuple[str, object]]] = {}
+        for job_id, event in entries:
+            shard = self.store.shards.index(self.store.keys.stream(job_id))
+            by_shard.setdefault(shard, []).append((job_id, event))
+        await asyncio.gather(*(self._write_shard(i, part) for i, part in by_shard.items()))
+
+    async def _write_shard(self, shard: int, entries: list[tuple[str, object]]) -> None:
+        """One pipeline to one stream shard (the main Redis unless streams are sharded)."""
+        client, replicas = self.store.shards.clients[shard], self.replicas[shard]
 
         async def write() -> None:
-            pipe = self.redis.pipeline(transaction=False)
+            num_required = await replicas.num_required()
+            pipe = client.pipeline(transaction=False)
             for job_id, event in entries:
                 self.store.append(pipe, job_id, event)
-            await pipe.execute()
+            replicas.add_wait(pipe, num_required)
+            results = await pipe.execute()
+            try:
+                replicas.check(results, num_required)
+            except NotReplicated as exc:  # tokens are not held up for a lagging replica
+                logger.warning("stream events not confirmed by a replica: %s", exc)
 
         await retry(
             write,

@@ -30,6 +30,7 @@ from shared.contracts import (
 )
 from shared.errors import InvalidRequestError
 from shared.keys import Keys
+from shared.relay_shards import StreamShards
 from shared.tokenizer import Tokenizer
 from worker.engine.core.sampling_params import SamplingParams
 from worker.engine.embedding import EmbeddingEngine, EmbeddingRequest
@@ -66,7 +67,10 @@ class WorkerService:
         self.redis = redis
         self.worker_id = worker_id
         self.keys = Keys(settings.key_prefix)
-        self.store = JobWriter(redis, self.keys, settings.job_ttl_s, settings.stream_maxlen)
+        shards = StreamShards(redis, settings.relay_redis_urls, socket_connect_timeout=2.0)
+        self.store = JobWriter(
+            redis, self.keys, settings.job_ttl_s, settings.stream_maxlen, shards=shards
+        )
         self.jobs: dict[str, JobState] = {}
         self.num_pending = 0
         self.draining = False

@@ -1,7 +1,8 @@
 """One multiplexed Redis Streams reader per API process.
 
-A single background task runs `XREAD BLOCK` over every stream that has subscribers and fans
-the entries out to per-subscriber asyncio queues. The block is capped (`block_ms`) so a new
+A single background task (one per stream shard, `LLM_RELAY_REDIS_URLS`) runs `XREAD BLOCK`
+over every stream that has subscribers and fans the entries out to per-subscriber asyncio
+queues. The block is capped (`block_ms`) so a new
 subscriber's stream joins the read within that time; entries already in a stream are replayed
 from the subscriber's last id, so subscribing after enqueueing loses nothing.
 
@@ -23,6 +24,7 @@ from redis.exceptions import RedisError
 
 from shared.contracts import ErrorEvent, StreamEvent, decode_event
 from shared.keys import Keys
+from shared.relay_shards import StreamShards
 from shared.retry import FOREVER, Backoff, retry
 
 log = logging.getLogger(__name__)
@@ -91,8 +93,10 @@ class Relay:
         verify_delay_s: float = 2.0,
         outage_grace_s: float = 30.0,
         max_buffered: int = 256,
+        shards: StreamShards | None = None,
     ) -> None:
         self.redis = redis
+        self.shards = shards or StreamShards(redis, [])  # one reader task per stream shard
         self.keys = keys
         self.block_ms = block_ms
         self.verify_delay_s = verify_delay_s  # after a reconnect: workers restore records
@@ -103,21 +107,24 @@ class Relay:
         self._closed = False  # ... and open waits have been ended
         self._lost_since: float | None = None
         self._subs: dict[str, set[Subscription]] = {}
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task | None = None
+        self._streams_by_shard: list[set[str]] = [set() for _ in self.shards.clients]
+        self._wakes = [asyncio.Event() for _ in self.shards.clients]
+        self._tasks: list[asyncio.Task] = []
         self._checks: set[asyncio.Task] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
 
     def subscribe(self, job_id: str, last_id: str = "0-0") -> Subscription:
         parse_entry_id(last_id)
-        sub = Subscription(
-            job_id, self.keys.stream(job_id), last_id, self.max_buffered, self._wake.set
-        )
+        stream = self.keys.stream(job_id)
+        shard = self.shards.index(stream)
+        wake = self._wakes[shard]
+        sub = Subscription(job_id, stream, last_id, self.max_buffered, wake.set)
         self._subs.setdefault(sub.stream, set()).add(sub)
+        self._streams_by_shard[shard].add(stream)
         if self._closed:
             sub.fail(shutdown_error(job_id))
-        self._wake.set()
+        wake.set()
         self.start()
         return sub
 
@@ -127,6 +134,7 @@ class Relay:
             subs.discard(sub)
             if not subs:
                 del self._subs[sub.stream]
+                self._streams_by_shard[self.shards.index(sub.stream)].discard(sub.stream)
 
     @property
     def num_buffered(self) -> int:
@@ -138,26 +146,30 @@ class Relay:
         """Readers paused because their client fell behind."""
         return sum(sub.is_paused for subs in self._subs.values() for sub in subs)
 
-    def _positions(self) -> dict[str, str]:
-        """Where to read each stream from: the earliest reader that is not paused."""
-        return {
-            stream: min((s.last_id for s in active), key=parse_entry_id)
-            for stream, subs in self._subs.items()
-            if (active := [s for s in subs if not s.is_paused])
-        }
+    def _positions(self, shard: int) -> dict[str, str]:
+        """Where to read each of a shard's streams from: the earliest reader not paused."""
+        positions = {}
+        for stream in self._streams_by_shard[shard]:
+            active = [s for s in self._subs.get(stream, ()) if not s.is_paused]
+            if active:
+                positions[stream] = min((s.last_id for s in active), key=parse_entry_id)
+        return positions
 
     def start(self) -> None:
-        if self._task is None and not self._stopping:
+        if not self._tasks and not self._stopping:
             self._loop = asyncio.get_running_loop()
-            self._task = asyncio.create_task(self._run(), name="stream-relay")
+            self._tasks = [
+                asyncio.create_task(self._run(shard), name=f"stream-relay-{shard}")
+                for shard in range(len(self._wakes))
+            ]
 
     async def stop(self) -> None:
         self._stopping = True  # redis-py may turn a cancelled read into a ConnectionError
-        for task in [self._task, *self._checks]:
+        for task in [*self._tasks, *self._checks]:
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
-        self._task = None
+        self._tasks = []
 
     def begin_shutdown(self, grace_s: float) -> None:
         """The API is stopping: open waits may go on for `grace_s`, then end with a 503
@@ -178,11 +190,11 @@ class Relay:
             for sub in subs:
                 sub.fail(error_for(sub.job_id))
 
-    async def _run(self) -> None:
+    async def _run(self, shard: int) -> None:
         while not self._stopping:
             try:
                 await retry(
-                    self._read_when_subscribed,
+                    lambda: self._read_when_subscribed(shard),
                     on=(RedisError, OSError),
                     what="relay read",
                     backoff=READ_BACKOFF,
@@ -195,13 +207,13 @@ class Relay:
                 log.exception("relay read failed")
                 await asyncio.sleep(1.0)
 
-    async def _read_when_subscribed(self) -> None:
+    async def _read_when_subscribed(self, shard: int) -> None:
         if self._stopping:  # a cancelled read can surface as a ConnectionError: retry ends
             return
-        while not self._positions():  # nobody, or only paused readers
-            self._wake.clear()
-            await self._wake.wait()
-        await self._read_once()
+        while not self._positions(shard):  # nobody, or only paused readers
+            self._wakes[shard].clear()
+            await self._wakes[shard].wait()
+        await self._read_once(shard)
 
     def _on_lost(self, exc: BaseException) -> None:
         now = time.monotonic()
@@ -248,11 +260,11 @@ class Relay:
                 for sub in list(sub_set):
                     sub.fail(job_lost_error(job_id))
 
-    async def _read_once(self) -> None:
-        positions = self._positions()
+    async def _read_once(self, shard: int) -> None:
+        positions = self._positions(shard)
         if not positions:
             return
-        replies = await self.redis.xread(positions, block=self.block_ms)
+        replies = await self.shards.clients[shard].xread(positions, block=self.block_ms)
         for stream_name, entries in replies or []:
             stream = _text(stream_name)
             for entry_id, fields in entries:

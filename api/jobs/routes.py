@@ -14,6 +14,7 @@ from api.auth import ApiKeyId, require_api_key
 from api.errors import APIError
 from api.jobs.idempotency import fingerprint, idempotency_key
 from api.jobs.relay import parse_entry_id
+from api.jobs.store import NotConfirmed
 from api.jobs.trace import RequestTrace
 from api.keys.limits import Quota
 from api.openai.admission import (
@@ -133,6 +134,8 @@ async def create_job(
         return JSONResponse(await job_object(services, record), 202, headers=headers)
     try:
         record = await _submit(services, payload, envelope.url, request.state.quota, received)
+    except NotConfirmed:
+        raise  # the job exists: a retry with the same key replays it
     except BaseException:
         await services.idempotency.release(claim)
         raise

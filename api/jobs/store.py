@@ -30,8 +30,25 @@ from shared.contracts import (
 from shared.keys import Keys
 from shared.queue import RUN_COMPLETION
 from shared.ratelimit import settle_lua
+from shared.relay_shards import StreamShards
+from shared.replication import NotReplicated, ReplicaWaiter
 
 log = logging.getLogger(__name__)
+
+
+class NotConfirmed(APIError):
+    """The job was queued, but no replica confirmed it: it may run, or vanish in a failover."""
+
+    def __init__(self, job_id: str, reason: str) -> None:
+        super().__init__(
+            503,
+            f"Job {job_id} was queued but Redis could not confirm it on a replica ({reason}); "
+            f"it may still run: GET /v1/jobs/{job_id}, or retry with the same Idempotency-Key",
+            error_type="service_unavailable",
+            code="not_replicated",
+            headers={"Retry-After": "1", "X-Job-Id": job_id},
+        )
+
 
 # Marks a job cancelled only while its record still says queued: a worker that took it in
 # the meantime owns it from then on. Records are pydantic JSON (no spaces), so the status test
@@ -41,8 +58,10 @@ _CANCEL_QUEUED = (
 local current = redis.call('GET', KEYS[1])
 if not current or not string.find(current, '"status":"queued"', 1, true) then return 0 end
 redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[3])
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'data', ARGV[2])
-redis.call('EXPIRE', KEYS[2], ARGV[3])
+if KEYS[2] ~= '' then
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'data', ARGV[2])
+  redis.call('EXPIRE', KEYS[2], ARGV[3])
+end
 if KEYS[3] ~= '' then redis.call('SREM', KEYS[3], ARGV[5]) end
 redis.call('ZREM', KEYS[4], ARGV[5])
 redis.call('DEL', KEYS[5])
@@ -68,12 +87,19 @@ class JobStore:
     """Submit, read and cancel jobs."""
 
     def __init__(
-        self, redis: ArqRedis, keys: Keys, settings: Settings, limiter: RateLimiter
+        self,
+        redis: ArqRedis,
+        keys: Keys,
+        settings: Settings,
+        limiter: RateLimiter,
+        shards: StreamShards | None = None,
     ) -> None:
         self.redis = redis
+        self.shards = shards or StreamShards(redis, [])
         self.keys = keys
         self.settings = settings
         self.limiter = limiter
+        self.replicas = ReplicaWaiter(redis)
         self._cancel_queued = redis.register_script(_CANCEL_QUEUED)
         self._background: set[asyncio.Task] = set()
 
@@ -99,7 +125,24 @@ class JobStore:
         if not is_new:
             raise APIError(500, "Job id collision", error_type="server_error")
         await self.redis.publish(self.keys.wake_channel, payload.id)
+        await self._confirm_replicated(payload.id)
         return record
+
+    async def _confirm_replicated(self, job_id: str) -> None:
+        """Accept a job only once a replica holds it, when the primary has one: a failover
+        just after the 202 must not take the job with it (shared/replication.py)."""
+        num_required = await self.replicas.num_required()
+        if not num_required:
+            return
+        async with self.redis.pipeline(transaction=False) as pipe:
+            # A write on this connection: its WAIT then covers the whole submission before it.
+            pipe.expire(self.keys.payload(job_id), QUEUED_GRACE_S + self.settings.job_ttl_s)
+            self.replicas.add_wait(pipe, num_required)
+            results = await pipe.execute()
+        try:
+            self.replicas.check(results, num_required)
+        except NotReplicated as exc:
+            raise NotConfirmed(job_id, str(exc)) from exc
 
     async def _undo(self, payload: JobPayload, reservation: TokenReservation | None) -> None:
         """Remove what a submission that failed half-way wrote (Redis refused a write at
@@ -257,10 +300,12 @@ class JobStore:
         record.status, record.error, record.finished_at = "cancelled", event, time.time()
         reserved = record.reservation
         key_jobs = self.keys.key_jobs(record.api_key_id) if record.api_key_id else ""
+        stream = self.keys.stream(record.id)
+        on_main = not self.shards.is_sharded  # else the stream's shard gets it after the CAS
         done = await self._cancel_queued(
             keys=[
                 self.keys.job(record.id),
-                self.keys.stream(record.id),
+                stream if on_main else "",
                 key_jobs,
                 self.keys.queue(record.model, record.lane),
                 job_key_prefix + record.id,
@@ -278,6 +323,11 @@ class JobStore:
                 reserved.tokens if reserved else 0,  # it never ran: all of it back
             ],
         )
+        if done and not on_main:
+            async with self.shards.for_stream(stream).pipeline(transaction=False) as pipe:
+                pipe.xadd(stream, {"data": encode_event(event)})
+                pipe.expire(stream, self.settings.job_ttl_s)
+                await pipe.execute()
         return bool(done)
 
     def cancel_soon(self, job_id: str) -> None:

@@ -8,8 +8,8 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
-import redis
 
+from shared.redis_url import sync_client
 from tests.support.harness import Service
 
 PROMPT = "w5 w17 w99 w42 w7 w128 w64"
@@ -33,7 +33,7 @@ def model_id(service: Service) -> str:
 
 def records(service: Service) -> dict[str, dict]:
     """Every job record of the service, by id, read from Redis."""
-    client = redis.Redis.from_url(service.redis_url)
+    client = sync_client(service.redis_url, socket_timeout=5)
     found = {}
     for key in client.scan_iter(f"{service.prefix}:job:*"):
         raw = client.get(key)

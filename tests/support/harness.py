@@ -20,6 +20,9 @@ from pathlib import Path
 import httpx
 import redis
 
+from shared.keys import Keys
+from shared.redis_url import sync_client
+
 TEST_REDIS_URL = os.environ.get("LLM_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -171,8 +174,8 @@ class Service:
 
 
 def cleanup_keys(prefix: str, url: str = TEST_REDIS_URL) -> None:
-    client = redis.Redis.from_url(url)
-    job_ids = [key.decode().rsplit(":", 1)[-1] for key in client.scan_iter(f"{prefix}:job:*")]
+    client = sync_client(url, socket_timeout=5)
+    job_ids = [Keys.job_id_of(key) for key in client.scan_iter(f"{prefix}:job:*")]
     for job_id in job_ids:
         client.delete(
             *(f"arq:{kind}:{job_id}" for kind in ("job", "result", "retry", "in-progress"))

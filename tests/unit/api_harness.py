@@ -52,9 +52,7 @@ class Harness:
 
 async def _cleanup(redis: ArqRedis, prefix: str) -> None:
     keys = [key async for key in redis.scan_iter(match=f"{prefix}:*", count=500)]
-    job_ids = [
-        k.decode().rsplit(":", 1)[1] for k in keys if k.decode().startswith(f"{prefix}:job:")
-    ]
+    job_ids = [Keys.job_id_of(k) for k in keys if k.decode().startswith(f"{prefix}:job:")]
     keys += [job_key_prefix + job_id for job_id in job_ids]
     if keys:
         await redis.delete(*keys)

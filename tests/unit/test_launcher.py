@@ -154,6 +154,31 @@ def test_no_start_fails(monkeypatch: pytest.MonkeyPatch, broker_calls: list[str]
     assert broker_calls == []
 
 
+def test_a_url_the_user_set_is_never_replaced(
+    monkeypatch: pytest.MonkeyPatch, broker_calls: list[str]
+) -> None:
+    monkeypatch.setattr(broker, "ping", lambda url, timeout_s=1.0: False)
+    monkeypatch.setattr(broker, "redis_server_binary", lambda: "/usr/bin/redis-server")
+    sentinel = "redis+sentinel://127.0.0.1:26390,127.0.0.1:26391/mymaster/0"
+    with pytest.raises(BrokerError, match="nothing answers at LLM_REDIS_URL=redis\\+sentinel"):
+        broker.find_or_start_redis(sentinel, is_default=False)
+    with pytest.raises(BrokerError, match="unknown scheme 'redis\\+sentinal'"):
+        broker.find_or_start_redis("redis+sentinal://h:1/m", is_default=False)
+    assert broker_calls == []  # nothing started in its place
+
+
+def test_up_stops_with_one_line_for_a_set_url_that_does_not_answer(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(broker, "ping", lambda url, timeout_s=1.0: False)
+    monkeypatch.setenv("LLM_REDIS_URL", "redis+sentinel://127.0.0.1:26390/mymaster/0")
+    monkeypatch.setattr(launcher, "setup_logging", lambda level: None)
+    assert launcher.run_up(launcher.UpOptions()) == 1
+    (line,) = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert "nothing answers at LLM_REDIS_URL=redis+sentinel://127.0.0.1:26390" in line
+    assert "\n" not in line
+
+
 def test_safe_url_hides_credentials() -> None:
     assert broker.safe_url("redis://u:pw@h:1/0") == "redis://***@h:1/0"
     assert broker.safe_url("redis://h:1/0") == "redis://h:1/0"
@@ -270,7 +295,7 @@ def test_up_runs_until_sigterm(
     monkeypatch.setattr(
         launcher,
         "find_or_start_redis",
-        lambda url, allow_start: BrokerHandle(
+        lambda url, allow_start, is_default: BrokerHandle(
             "redis://127.0.0.1:1/0", "embedded", lambda: stopped.append(True)
         ),
     )

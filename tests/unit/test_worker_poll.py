@@ -129,3 +129,22 @@ def test_a_redis_error_at_start_up_is_retried(monkeypatch: pytest.MonkeyPatch) -
 
     asyncio.run(scenario())
     assert len(calls) == 2
+
+
+def test_a_worker_polls_only_the_lanes_it_is_given() -> None:
+    async def scenario() -> dict[str, list[str]]:
+        pool = ArqRedis(connection_pool=fakeredis.FakeAsyncRedis().connection_pool)
+        queues = {}
+        for lanes in ("interactive,batch", "batch"):
+            settings = Settings(_env_file=None, worker_lanes=lanes, served_model_name="m")
+            workers = worker.arq_adapter.lane_workers(_Service(), settings, pool)  # type: ignore[arg-type]
+            queues[lanes] = [w.queue_name for w in workers]
+        return queues
+
+    queues = asyncio.run(scenario())
+    assert queues == {
+        "interactive,batch": ["ladle:queue:m", "ladle:queue:m:batch"],
+        "batch": ["ladle:queue:m:batch"],  # a batch-only group (deploy/k8s) scales to zero
+    }
+    with pytest.raises(ValueError, match="worker_lanes"):
+        Settings(_env_file=None, worker_lanes="interactive,bulk")
