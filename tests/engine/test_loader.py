@@ -65,9 +65,12 @@ def test_missing_weight_is_an_error(tmp_path):
         load_model(str(model_dir), dtype="float32", device="cpu")
 
 
-def test_sliding_window_caps_max_model_len(tmp_path):
+def test_sliding_window_no_longer_caps_max_model_len(tmp_path):
+    # windowed layers mask exactly (tests/engine/test_families.py), so the full context serves
     model_dir = tiny_model_dir("mistral", tmp_path, sliding_window=128)
-    assert load_model(str(model_dir), dtype="float32", device="cpu").max_model_len == 128
+    loaded = load_model(str(model_dir), dtype="float32", device="cpu")
+    assert loaded.max_model_len == 512
+    assert {layer.self_attn.attn.sliding_window for layer in loaded.model.model.layers} == {128}
 
 
 def test_dtype_auto(monkeypatch):

@@ -185,8 +185,4 @@ def _checkpoint(
 
 def _max_model_len(config: Any, cap: int | None) -> int:
     length = int(getattr(config, "max_position_embeddings", 0) or 2048)
-    # We attend over the full context; a sliding window would change results past it.
-    window = getattr(config, "sliding_window", None)
-    if window and getattr(config, "use_sliding_window", True):
-        length = min(length, int(window))
     return min(length, cap) if cap else length
