@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 
 from shared.config import settings_with
 from shared.logging import setup_logging
+from worker.models.errors import ModelConfigError
 from worker.process import WorkerProcess
+
+# sysexits' EX_CONFIG: the model cannot be served as configured, so restarting cannot help
+EXIT_CONFIG_ERROR = 78
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,5 +42,9 @@ def main(argv: list[str] | None = None) -> int:
         worker_metrics_port=args.metrics_port,
     )
     setup_logging(settings.log_level)
-    asyncio.run(WorkerProcess(settings).run())
+    try:
+        asyncio.run(WorkerProcess(settings).run())
+    except ModelConfigError as exc:  # one line, no traceback: the reason is the message
+        logging.getLogger("worker").error("refused to serve %s: %s", settings.model_name, exc)
+        return EXIT_CONFIG_ERROR
     return 0

@@ -183,3 +183,35 @@ def test_smollm_first_step_logits_match_transformers(smollm_cache, transformers_
         expected = transformers_smollm(torch.tensor([prompt])).logits[0, -1]
     torch.testing.assert_close(logits, expected, atol=2e-3, rtol=0)
     assert int(logits.argmax()) == int(expected.argmax())
+
+
+def test_remote_code_checkpoint_is_refused_in_one_line(tmp_path):
+    from worker.models.errors import ModelConfigError
+
+    model_dir = tiny_model_dir("llama", tmp_path)
+    config = json.loads((model_dir / "config.json").read_text())
+    config.update(
+        architectures=["FancyForCausalLM"],
+        model_type="fancy",
+        auto_map={"AutoModelForCausalLM": "modeling_fancy.FancyForCausalLM"},
+    )
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelConfigError) as error:
+        load_model(str(model_dir), dtype="float32", device="cpu")
+    message = str(error.value)
+    assert "remote code" in message and "FancyForCausalLM" in message and "\n" not in message
+
+
+def test_worker_exits_with_a_config_error_and_one_line(tmp_path, monkeypatch, caplog):
+    from worker import main as worker_main
+    from worker.models.errors import ModelConfigError
+
+    async def refuse(self) -> None:
+        raise ModelConfigError("unsupported model architecture GPT2LMHeadModel; supported: ...")
+
+    monkeypatch.setattr(worker_main.WorkerProcess, "run", refuse)
+    monkeypatch.setattr(worker_main, "setup_logging", lambda level: None)
+    with caplog.at_level("ERROR"):
+        assert worker_main.main(["--model", str(tmp_path)]) == worker_main.EXIT_CONFIG_ERROR
+    lines = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(lines) == 1 and "GPT2LMHeadModel" in lines[0] and "\n" not in lines[0]

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from worker.models.errors import ModelConfigError
 from worker.models.registry import MODEL_TYPES
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ def hf_name(gguf_name: str) -> str:
         return _GLOBAL_NAMES[gguf_name]
     match = _BLOCK_RE.fullmatch(gguf_name)
     if match is None or match.group(2) not in _BLOCK_NAMES:
-        raise ValueError(f"unknown GGUF tensor {gguf_name!r}")
+        raise ModelConfigError(f"unknown GGUF tensor {gguf_name!r}")
     layer, part, kind = match.groups()
     return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
 
@@ -99,9 +100,13 @@ def gguf_tensors(path: Path, config: dict) -> Iterator[tuple[str, np.ndarray]]:
 def _write_config(gguf_path: Path, out: Path) -> dict:
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    try:
+        config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except (ValueError, KeyError) as exc:  # transformers cannot read this architecture
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ModelConfigError(f"cannot read GGUF {gguf_path.name}: {first_line}") from exc
     if config.model_type not in SUPPORTED_GGUF_ARCHS:
-        raise ValueError(
+        raise ModelConfigError(
             f"unsupported GGUF architecture {config.model_type!r}; "
             f"supported: {', '.join(SUPPORTED_GGUF_ARCHS)}"
         )

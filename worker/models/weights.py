@@ -9,6 +9,7 @@ from torch import nn
 
 from worker.layers.linear import PackedLinear
 from worker.layers.quant import QuantizedTensor
+from worker.models.errors import ModelConfigError
 
 # checkpoint name fragment -> (fused module name fragment, shard index)
 PACKED_WEIGHTS = {
@@ -22,7 +23,7 @@ PACKED_WEIGHTS = {
 Weights = Iterable[tuple[str, torch.Tensor | QuantizedTensor]]
 
 
-class MissingWeightsError(ValueError):
+class MissingWeightsError(ModelConfigError):
     """A checkpoint without some of the model's weights."""
 
 
@@ -42,7 +43,7 @@ def load_checkpoint(
     """Copy checkpoint tensors into `model`; returns the names loaded (`name#shard` for a
     shard of a fused projection). `rename` maps a checkpoint name onto the model's (None:
     skip it). A `QuantizedTensor` goes to its layer, which packs it at `quantize_linears`.
-    Raises ValueError for an unknown tensor, `MissingWeightsError` for missing ones."""
+    Raises `ModelConfigError` for an unknown tensor, `MissingWeightsError` for missing ones."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     for checkpoint_name, tensor in weights:
@@ -57,7 +58,7 @@ def load_checkpoint(
             loaded.add(f"{packed_name}#{shard}")
             continue
         if name not in params:
-            raise ValueError(f"unexpected weight {checkpoint_name!r} in checkpoint")
+            raise ModelConfigError(f"unexpected weight {checkpoint_name!r} in checkpoint")
         module = model.get_submodule(name.rsplit(".", 1)[0])
         if isinstance(tensor, QuantizedTensor):
             module.load_quantized(0, tensor)
