@@ -31,11 +31,11 @@ chaos: install
 	$(BIN)/python -m pytest -m chaos -q $(PYTEST_ARGS)
 
 lint: install
-	$(BIN)/ruff check api worker shared tests loadtest examples
-	$(BIN)/ruff format --check api worker shared tests loadtest examples
+	$(BIN)/ruff check api worker shared ladle tests loadtest examples
+	$(BIN)/ruff format --check api worker shared ladle tests loadtest examples
 
 run: install
-	$(BIN)/python -m shared.cli up --workers $(WORKERS)
+	$(BIN)/python -m ladle up --workers $(WORKERS)
 
 generate: install
 	$(BIN)/python -m worker.engine.cli --prompt "Write a haiku about soup."

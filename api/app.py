@@ -15,21 +15,26 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from api import routes_batches, routes_console, routes_files, routes_jobs, routes_openai, routes_ops
-from api.batch_control import BatchControl
-from api.batch_runner import BatchRunner
-from api.batches import BatchStore
+from api.batches import file_routes as batch_file_routes
+from api.batches import routes as batch_routes
+from api.batches.control import BatchControl
+from api.batches.files import FileStore
+from api.batches.runner import BatchRunner
+from api.batches.store import BatchStore
 from api.errors import install_error_handlers
-from api.files import FileStore
-from api.idempotency import IdempotencyStore
-from api.jobs import JobStore
-from api.keyring import KeyRingHolder
+from api.jobs import routes as job_routes
+from api.jobs.idempotency import IdempotencyStore
+from api.jobs.relay import Relay
+from api.jobs.store import JobStore
+from api.jobs.workers import WorkerDirectory
+from api.keys.keyring import KeyRingHolder
+from api.keys.limits import RATE_LIMIT_HEADERS, RateLimiter
 from api.middleware import BodyLimitMiddleware, RequestContextMiddleware
-from api.prompting import TokenizerHolder
-from api.ratelimit import RATE_LIMIT_HEADERS, RateLimiter
-from api.relay import Relay
+from api.openai import routes as openai_routes
+from api.openai.prompting import TokenizerHolder
+from api.ops import console
+from api.ops import routes as ops_routes
 from api.services import Services
-from api.workers import WorkerDirectory
 from shared import tracing
 from shared.config import Settings, get_settings
 from shared.contracts import QUEUED_GRACE_S
@@ -90,7 +95,7 @@ def build_services(
     )
 
 
-ROUTERS = (routes_openai, routes_jobs, routes_files, routes_batches, routes_ops, routes_console)
+ROUTERS = (openai_routes, job_routes, batch_file_routes, batch_routes, ops_routes, console)
 
 
 def create_app(
@@ -134,7 +139,7 @@ def create_app(
     install_error_handlers(app)
     for module in ROUTERS:
         app.include_router(module.router)
-    upload_limit = settings.file_max_bytes + routes_files.UPLOAD_OVERHEAD_BYTES
+    upload_limit = settings.file_max_bytes + batch_file_routes.UPLOAD_OVERHEAD_BYTES
     app.add_middleware(
         BodyLimitMiddleware,
         max_bytes=settings.max_request_body_bytes,

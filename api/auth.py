@@ -1,4 +1,4 @@
-"""Bearer API keys (`api/keyring.py` holds them): who is calling, and their rate-limit quota."""
+"""Bearer API keys (held by `api/keys/keyring.py`): who is calling, and their quota."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from api.errors import APIError
-from api.keyring import api_key_id
-from api.ratelimit import Quota
+from api.keys.keyring import api_key_id
+from api.keys.limits import Quota
 
 __all__ = ["api_key_id", "require_api_key"]
 

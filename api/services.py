@@ -8,15 +8,15 @@ from typing import Annotated
 from arq.connections import ArqRedis
 from fastapi import Depends, Request
 
-from api.batches import BatchStore
-from api.files import FileStore
-from api.idempotency import IdempotencyStore
-from api.jobs import JobStore
-from api.keyring import KeyRingHolder
-from api.prompting import TokenizerHolder
-from api.ratelimit import RateLimiter
-from api.relay import Relay
-from api.workers import WorkerDirectory
+from api.batches.files import FileStore
+from api.batches.store import BatchStore
+from api.jobs.idempotency import IdempotencyStore
+from api.jobs.relay import Relay
+from api.jobs.store import JobStore
+from api.jobs.workers import WorkerDirectory
+from api.keys.keyring import KeyRingHolder
+from api.keys.limits import RateLimiter
+from api.openai.prompting import TokenizerHolder
 from shared.config import Settings
 from shared.keys import Keys
 from shared.metrics import ApiMetrics

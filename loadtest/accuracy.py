@@ -30,10 +30,10 @@ import torch
 
 from shared.model_files import DEFAULT_MODEL_NAME
 from worker.engine.config import EngineConfig
+from worker.engine.core.outputs import ScheduledChunk, SchedulerOutput
+from worker.engine.core.request import Request
+from worker.engine.core.sampling_params import SamplingParams
 from worker.engine.offline import LLM
-from worker.engine.outputs import ScheduledChunk, SchedulerOutput
-from worker.engine.request import Request
-from worker.engine.sampling_params import SamplingParams
 
 TOPICS = [
     "the moon",

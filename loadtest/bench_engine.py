@@ -29,8 +29,8 @@ import torch
 from loadtest.matmul_bound import measure, model_shapes
 from shared.model_files import DEFAULT_MODEL_NAME
 from worker.engine.config import EngineConfig
+from worker.engine.core.sampling_params import SamplingParams
 from worker.engine.offline import LLM
-from worker.engine.sampling_params import SamplingParams
 from worker.models.loader import hf_dir_for
 
 

@@ -187,7 +187,7 @@ class EngineDriver:
             raise RuntimeError(f"warm-up request failed: {record.error}")
 
     async def send(self, prompt: list[int], max_tokens: int | None = None) -> RequestRecord:
-        from worker.engine.sampling_params import SamplingParams
+        from worker.engine.core.sampling_params import SamplingParams
 
         record = RequestRecord(start=time.perf_counter())
         request_id = uuid.uuid4().hex
@@ -373,7 +373,7 @@ def running_service(
         argv = [
             sys.executable,
             "-m",
-            "shared.cli",
+            "ladle",
             "up",
             "--workers",
             str(num_workers),

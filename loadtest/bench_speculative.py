@@ -37,8 +37,8 @@ import torch
 from loadtest.bench_engine import random_prompts
 from shared.model_files import DEFAULT_MODEL_NAME
 from worker.engine.config import EngineConfig
+from worker.engine.core.sampling_params import SamplingParams
 from worker.engine.offline import LLM, GenerationResult
-from worker.engine.sampling_params import SamplingParams
 
 PASSAGES = [
     "The old mill stood at the bend of the river, where the water slowed and widened before "

@@ -26,7 +26,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from api.request_trace import RequestTrace
+from api.jobs.trace import RequestTrace
 from loadtest.bench_serve import bench_http, running_service, spare_port
 from loadtest.single_stream import cpu_description
 from loadtest.workload import LevelResult, Workload

@@ -33,11 +33,11 @@ from pathlib import Path
 
 import httpx
 
+from ladle.broker import spare_port
 from loadtest.chaos_load import PROMPTS, Clients, Ledger, poll_job, request_body
 from loadtest.chaos_sweep import check_redis, run_batches, wait_idle
 from loadtest.up import UpProcess, kill_child
-from shared.broker import spare_port
-from tests.integration.harness import RedisServer
+from tests.support.harness import RedisServer
 
 LEASE_S = 3.0  # LLM_WORKER_TTL_S: a worker silent this long loses its jobs' leases
 
@@ -83,8 +83,8 @@ def model_path(config: ChaosConfig, workdir: Path) -> str:
     """`tiny`: a tiny random Llama with a word-level tokenizer (the tests' model)."""
     if config.model != "tiny":
         return config.model
-    from tests.engine.conftest import add_tiny_tokenizer
-    from tests.engine.tiny_models import tiny_model_dir
+    from tests.support.engines import add_tiny_tokenizer
+    from tests.support.tiny_models import tiny_model_dir
 
     path = tiny_model_dir("llama", workdir / "model", seed=11)
     add_tiny_tokenizer(path)

@@ -107,8 +107,8 @@ def parity(model_dir: str, device: str = "cuda") -> dict:
     from transformers import AutoModelForCausalLM
 
     from worker.engine.config import EngineConfig
+    from worker.engine.core.sampling_params import SamplingParams
     from worker.engine.offline import LLM
-    from worker.engine.sampling_params import SamplingParams
 
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 49152) for _ in range(n)] for n in (5, 17, 33, 64, 120)]

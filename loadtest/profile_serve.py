@@ -55,7 +55,7 @@ def _cmdline(pid: int) -> str:
 def service_pids() -> dict[str, int]:
     """The API, worker(s) and redis-server of the service started by this process."""
     launcher = next(
-        p for p in _all_pids() if _ppid(p) == os.getpid() and "shared.cli" in _cmdline(p)
+        p for p in _all_pids() if _ppid(p) == os.getpid() and "-m ladle " in _cmdline(p)
     )
     pids: dict[str, int] = {}
     for pid in _all_pids():

@@ -38,8 +38,8 @@ from loadtest.bandwidth_bound import stream_bandwidth, weight_bytes_per_token
 from shared.config import Settings
 from shared.model_files import DEFAULT_MODEL_NAME
 from worker.engine.config import EngineConfig
+from worker.engine.core.sampling_params import SamplingParams
 from worker.engine.engine import LLMEngine
-from worker.engine.sampling_params import SamplingParams
 
 
 class _Timed:

@@ -305,7 +305,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, SoakConfig]:
 
 def _self_started(args: argparse.Namespace, config: SoakConfig) -> SoakReport:
     from shared.config import DEFAULT_MODEL
-    from tests.integration.harness import start_service
+    from tests.support.harness import start_service
 
     logs = Path(tempfile.mkdtemp(prefix="ladle-soak-"))
     service = start_service(

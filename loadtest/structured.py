@@ -221,7 +221,7 @@ def compile_path(model: str) -> dict:
     never seen (each of the kept schemas, made unique) and for one seen before (cached)."""
     from shared.grammar import build_grammar
     from shared.tokenizer import load_tokenizer
-    from worker.engine.structured import GrammarCompiler
+    from worker.engine.grammar_matcher import GrammarCompiler
 
     tokenizer = load_tokenizer(model)
     compiler = GrammarCompiler(tokenizer.hf, tokenizer.vocab_size, tokenizer.eos_token_ids)

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @dataclass
 class UpProcess:
-    """One `python -m shared.cli up` run with its own key prefix, port and log file."""
+    """One `python -m ladle up` run with its own key prefix, port and log file."""
 
     env: dict[str, str]
     port: int
@@ -48,7 +48,7 @@ class UpProcess:
         return Keys(self.env["LLM_KEY_PREFIX"])
 
     def start(self) -> None:
-        argv = [sys.executable, "-m", "shared.cli", "up", "--workers", str(self.num_workers)]
+        argv = [sys.executable, "-m", "ladle", "up", "--workers", str(self.num_workers)]
         argv += ["--port", str(self.port), "--no-start-redis", *self.extra_args]
         log = open(self.log_path, "ab")  # noqa: SIM115 (owned by the process)
         self.proc = subprocess.Popen(argv, cwd=ROOT, env=self.env, stdout=log, stderr=log)

@@ -11,6 +11,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
+from shared.errors import InvalidRequestError
+
 WIRE_VERSION = 1
 
 Endpoint = Literal["completions", "chat.completions"]
@@ -248,6 +250,26 @@ class ErrorEvent(_Wire):
     message: str
     param: str | None = None
     code: str | None = None
+
+
+def error_event(
+    exc: Exception,
+    status: int = 500,
+    error_type: str = "server_error",
+    code: str | None = None,
+    message: str | None = None,
+) -> ErrorEvent:
+    """How an exception ends a job: an `InvalidRequestError` as the 400 the API would give
+    (its param and code kept); anything else with `status`, `error_type` and `code`."""
+    if isinstance(exc, InvalidRequestError):
+        return ErrorEvent(
+            status=400,
+            error_type="invalid_request_error",
+            message=exc.message,
+            param=exc.param,
+            code=exc.code,
+        )
+    return ErrorEvent(status=status, error_type=error_type, message=message or str(exc), code=code)
 
 
 def cancelled_event() -> ErrorEvent:

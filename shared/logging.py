@@ -57,3 +57,11 @@ def setup_logging(level: str | int = "INFO") -> None:
         logger = logging.getLogger(name)
         logger.handlers[:] = []
         logger.propagate = True
+
+
+def safe_url(url: str) -> str:
+    """The URL without credentials, for logs."""
+    if "@" not in url:
+        return url
+    scheme, _, rest = url.partition("://")
+    return f"{scheme}://***@{rest.split('@', 1)[1]}"

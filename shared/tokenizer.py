@@ -22,7 +22,7 @@ def load_tokenizer(model_ref: str, cache_dir: str | None = None) -> Tokenizer:
     """Load the tokenizer of a model reference (default name, HF directory or .gguf file).
 
     A GGUF whose one-time conversion directory already holds tokenizer files loads from there
-    (fast); otherwise transformers reads the tokenizer out of the GGUF itself (~6 s).
+    (fast); otherwise transformers reads the tokenizer out of the GGUF itself (slow).
     """
     from transformers import AutoTokenizer
 

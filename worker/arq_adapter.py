@@ -20,14 +20,14 @@ from arq.worker import Worker, func
 from redis.exceptions import RedisError
 
 from shared.config import Settings
-from shared.contracts import ErrorEvent, JobPayload, Lane
+from shared.contracts import ErrorEvent, JobPayload, Lane, error_event
 from shared.keys import Keys
 from shared.logging import job_id_var, request_id_var
 from shared.queue import RUN_COMPLETION, deserialize_job, serialize_job
 from shared.retry import FOREVER, Backoff, retry
 from worker.heartbeat import ARQ_IN_PROGRESS_PREFIX
+from worker.job_writer import REDIS_DOWN_ERRORS
 from worker.service import HandBack, WorkerService
-from worker.store import REDIS_DOWN_ERRORS
 
 # How often a worker looks at the queue when nothing wakes it: jobs handed back or retried,
 # room freed by finished jobs. A new job wakes idle workers at once (the API publishes on
@@ -62,7 +62,7 @@ async def run_completion(ctx: dict[str, Any], payload_json: str) -> str:
         logger.exception("job %s failed", payload.id)
         await service.fail(
             payload.id,
-            ErrorEvent(status=500, error_type="server_error", message=f"worker error: {exc}"),
+            error_event(exc, message=f"worker error: {exc}"),
         )
         return "failed"
 
@@ -208,7 +208,7 @@ def admission_capacity(service: WorkerService, lane: Lane, num_starting: int = 0
 def _interactive_room(service: WorkerService, num_starting: int) -> int:
     settings = service.settings
     num_not_in_engine = service.num_pending + num_starting
-    waiting = service.engine.stats().num_waiting + num_not_in_engine
+    waiting = service.engine_thread.stats.num_waiting + num_not_in_engine
     room_in_queue = settings.worker_max_queued - waiting
     room_in_batch = (
         settings.max_batch_size + settings.worker_max_queued - len(service.jobs) - num_not_in_engine
@@ -218,7 +218,7 @@ def _interactive_room(service: WorkerService, num_starting: int) -> int:
 
 def _batch_room(service: WorkerService, num_starting: int) -> int:
     s = service.settings
-    if service.engine.stats().num_waiting:
+    if service.engine_thread.stats.num_waiting:
         return 0
     num_lines = sum(1 for job in service.jobs.values() if job.payload.lane == "batch")
     room_left = s.max_batch_size - s.batch_reserved_seqs - len(service.jobs) - service.num_pending

@@ -12,7 +12,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from worker.engine.engine import LLMEngine, PreparedRequest, SequenceOutput
+from worker.engine.engine import EngineStats, LLMEngine, PreparedRequest, SequenceOutput
 
 logger = logging.getLogger(__name__)
 
@@ -25,12 +25,9 @@ class EngineHost:
     """One daemon thread that runs, in order, every call handed to it: build the engine here
     (`submit(LLMEngine, config)`), then step it here (`EngineThread(..., host=host)`).
 
-    OpenMP keeps a team of worker threads per thread that starts parallel work. An engine
-    built (weights, kernel timing, compile) on one thread and stepped on another leaves two
-    teams, and libgomp, counting more threads than cores, cuts its spin-wait to almost
-    nothing: every matmul then wakes its helper thread through the kernel. One sequence's
-    decode step took 39-42 ms that way against 26-28 ms with both on one thread (2 cores,
-    docs/benchmarks.md "One OpenMP team").
+    Why: OpenMP keeps one team of helper threads per thread that starts parallel work, and
+    with two teams libgomp stops spinning between matmuls (docs/benchmarks.md, "One OpenMP
+    team").
     """
 
     def __init__(self, name: str = "engine") -> None:
@@ -80,6 +77,8 @@ class EngineThread:
     `on_outputs` is called on the engine thread after every step with that step's outputs;
     it must only hand them over (e.g. `loop.call_soon_threadsafe`), never block. `host` is
     the thread the engine was built on (see `EngineHost`); without one it gets its own.
+    `stats` is the engine's state as of its last step or command, published by the engine
+    thread: the event loop and the heartbeat read it instead of calling into the engine.
     """
 
     def __init__(
@@ -98,6 +97,7 @@ class EngineThread:
         self._stopping = threading.Event()
         self.num_steps = 0
         self.step_started_at: float | None = None  # monotonic; None between steps
+        self.stats: EngineStats = engine.stats()  # the engine thread has not started yet
 
     def start(self) -> None:
         if self._host is None:
@@ -140,6 +140,7 @@ class EngineThread:
             finally:
                 self.step_started_at = None
             self.num_steps += 1
+            self.stats = self.engine.stats()
             if outputs:
                 self._on_outputs(outputs)
 
@@ -148,6 +149,7 @@ class EngineThread:
         for request_id in self.engine.request_ids():
             self.engine.abort_request(request_id)
             self._on_reject(request_id, EngineStepError(f"engine step failed: {exc!r}"))
+        self.stats = self.engine.stats()
 
     def _drain_commands(self, block: bool) -> None:
         try:
@@ -159,7 +161,8 @@ class EngineThread:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
-                return
+                break
+        self.stats = self.engine.stats()
 
     def _apply(self, command: _Add | _Abort) -> None:
         if isinstance(command, _Abort):

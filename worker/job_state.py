@@ -6,6 +6,7 @@ import asyncio
 import secrets
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
 from shared.contracts import (
     ChoiceEnd,
@@ -21,8 +22,8 @@ from shared.contracts import (
     Usage,
 )
 from shared.tokenizer import Tokenizer
+from worker.engine.core.outputs import SampledToken
 from worker.engine.engine import SequenceOutput
-from worker.engine.outputs import SampledToken
 
 
 @dataclass
@@ -50,6 +51,10 @@ def job_for(jobs: dict[str, JobState], engine_request_id: str) -> JobState | Non
     return job if job is not None and job.engine_request_id == engine_request_id else None
 
 
+# How an attempt ends on this worker; each becomes a final JobStatus (`WorkerService`).
+Outcome = Literal["completed", "cancelled", "timeout", "rejected"]
+
+
 @dataclass
 class JobState:
     """A job between `started` and its final event. `outcome` resolves when it ends."""
@@ -57,7 +62,7 @@ class JobState:
     payload: JobPayload
     attempt: int
     prompt_token_ids: list[int]  # every prompt's, in order (usage counts them all)
-    outcome: asyncio.Future[str]
+    outcome: asyncio.Future[Outcome]
     choices: list[ChoiceState]
     timings: Timings
     cached_tokens: int = 0

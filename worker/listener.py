@@ -12,7 +12,7 @@ from redis.exceptions import RedisError
 
 from shared.keys import Keys
 from shared.retry import FOREVER, Backoff, retry
-from worker.store import REDIS_DOWN_ERRORS
+from worker.job_writer import REDIS_DOWN_ERRORS
 
 logger = logging.getLogger(__name__)
 SUBSCRIBE_BACKOFF = Backoff(first_s=0.1, max_s=2.0)

@@ -17,17 +17,18 @@ from shared import tracing
 from shared.config import Settings, active_allocator
 from shared.contracts import WorkerRecord
 from shared.keys import Keys
+from shared.logging import safe_url
 from shared.metrics import WorkerMetrics
 from shared.queue import deserialize_job, serialize_job
-from shared.redis_url import arq_redis_settings, safe_url
 from shared.retry import FOREVER, Backoff, retry
 from shared.tokenizer import load_tokenizer
 from worker.arq_adapter import LadleWorker
 from worker.engine.config import EngineConfig
-from worker.engine.engine import LLMEngine
+from worker.engine.engine import EngineStats, LLMEngine
 from worker.engine_thread import EngineHost
 from worker.heartbeat import Heartbeat, default_worker_id
 from worker.metrics import WorkerMetricsRecorder
+from worker.redis_settings import arq_redis_settings
 from worker.service import WorkerService
 
 logger = logging.getLogger("worker")
@@ -63,10 +64,10 @@ class WorkerProcess:
         heartbeat = Heartbeat(
             pool,
             self.keys,
-            self._record(engine),
+            self._record(engine, service.engine_thread.stats),
             s.heartbeat_interval_s,
             s.worker_ttl_s,
-            stats=lambda: _stats(engine, recorder),
+            stats=lambda: _stats(service, recorder),
             job_ids=lambda: list(service.jobs),
             status=lambda: service.status,
             restore=service.restore_records,
@@ -123,8 +124,7 @@ class WorkerProcess:
             logger.error("the arq poll loop ended (%r); stopping", exc)
             self._stopping.set()
 
-    def _record(self, engine: LLMEngine) -> WorkerRecord:
-        stats = engine.stats()
+    def _record(self, engine: LLMEngine, stats: EngineStats) -> WorkerRecord:
         return WorkerRecord(
             worker_id=self.worker_id,
             host=socket.gethostname(),
@@ -154,8 +154,9 @@ class WorkerProcess:
             logger.warning("worker metrics port %d unavailable: %s", port, exc)
 
 
-def _stats(engine: LLMEngine, recorder: WorkerMetricsRecorder):  # noqa: ANN202
-    stats = engine.stats()
+def _stats(service: WorkerService, recorder: WorkerMetricsRecorder) -> EngineStats:
+    """The engine thread's last snapshot, recorded in the metrics (on the heartbeat thread)."""
+    stats = service.engine_thread.stats
     recorder.observe_stats(stats)
     return stats
 

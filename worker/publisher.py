@@ -13,8 +13,8 @@ from shared.retry import FOREVER, Backoff, retry
 from shared.tokenizer import Tokenizer
 from worker.engine.engine import SequenceOutput
 from worker.job_state import JobState, job_for
+from worker.job_writer import JobWriter
 from worker.metrics import WorkerMetricsRecorder
-from worker.store import JobStore
 
 logger = logging.getLogger(__name__)
 PUBLISH_BACKOFF = Backoff(first_s=0.05, max_s=2.0)
@@ -30,7 +30,7 @@ class Publisher:
     def __init__(
         self,
         redis: Redis,
-        store: JobStore,
+        store: JobWriter,
         jobs: dict[str, JobState],
         tokenizer: Tokenizer,
         on_finished: Callable[[JobState], None],

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Literal
 
 from redis.asyncio import Redis
 
@@ -20,21 +21,23 @@ from shared.contracts import (
     ErrorEvent,
     JobPayload,
     JobRecord,
+    JobStatus,
     RestartEvent,
     StartedEvent,
     cancelled_event,
+    error_event,
 )
 from shared.errors import InvalidRequestError
 from shared.keys import Keys
 from shared.tokenizer import Tokenizer
+from worker.engine.core.sampling_params import SamplingParams
 from worker.engine.engine import LLMEngine, PreparedRequest
-from worker.engine.sampling_params import SamplingParams
 from worker.engine_thread import EngineHost, EngineStepError, EngineThread
-from worker.job_state import JobState, job_for, new_engine_request_id
+from worker.job_state import JobState, Outcome, job_for, new_engine_request_id
+from worker.job_writer import JobWriter
 from worker.listener import Listener
 from worker.metrics import WorkerMetricsRecorder
 from worker.publisher import Publisher
-from worker.store import JobStore
 from worker.tracing import record_attempt
 from worker.watchdog import StallWatchdog
 
@@ -61,7 +64,7 @@ class WorkerService:
         self.redis = redis
         self.worker_id = worker_id
         self.keys = Keys(settings.key_prefix)
-        self.store = JobStore(redis, self.keys, settings.job_ttl_s, settings.stream_maxlen)
+        self.store = JobWriter(redis, self.keys, settings.job_ttl_s, settings.stream_maxlen)
         self.jobs: dict[str, JobState] = {}
         self.num_pending = 0
         self.draining = False
@@ -109,7 +112,7 @@ class WorkerService:
 
     # ---- one job -----------------------------------------------------------------------
 
-    async def run_job(self, payload: JobPayload, attempt: int) -> str:
+    async def run_job(self, payload: JobPayload, attempt: int) -> JobStatus | Literal["skipped"]:
         """Run one attempt of a job to its final event; returns the final status."""
         picked_at = time.time()
         record = await self.store.get(payload.id)
@@ -129,14 +132,7 @@ class WorkerService:
             engine_request_id = new_engine_request_id(payload.id)
             prepared = self._prepare(payload, engine_request_id)
         except InvalidRequestError as exc:
-            error = ErrorEvent(
-                status=400,
-                error_type="invalid_request_error",
-                message=exc.message,
-                param=exc.param,
-                code=exc.code,
-            )
-            await self._finish(record, "failed", error)
+            await self._finish(record, "failed", error_event(exc))
             return "failed"
         finally:
             self.num_pending -= 1
@@ -160,13 +156,13 @@ class WorkerService:
             self.engine_thread.add(request)
         return await self._await_outcome(record, job)
 
-    async def _await_outcome(self, record: JobRecord, job: JobState) -> str:
+    async def _await_outcome(self, record: JobRecord, job: JobState) -> JobStatus:
         job_id = record.id
         timeout = self.settings.job_timeout_s
         if job.payload.deadline is not None:
             timeout = min(timeout, max(job.payload.deadline - time.time(), 0.0))
         try:
-            outcome = await asyncio.wait_for(asyncio.shield(job.outcome), timeout)
+            outcome: Outcome = await asyncio.wait_for(asyncio.shield(job.outcome), timeout)
         except TimeoutError:
             self.engine_thread.abort(job.engine_request_id)
             outcome = "timeout"
@@ -183,7 +179,7 @@ class WorkerService:
         record_attempt(job, self.worker_id, outcome, (publish_started, time.time()))
         return record.status
 
-    async def _finish_outcome(self, record: JobRecord, job: JobState, outcome: str) -> None:
+    async def _finish_outcome(self, record: JobRecord, job: JobState, outcome: Outcome) -> None:
         if outcome == "completed":
             done = job.done_event()
             record.result = job.result()
@@ -281,7 +277,7 @@ class WorkerService:
         if job is None or job.outcome.done():
             return
         if isinstance(exc, EngineStepError):
-            job.error = ErrorEvent(status=500, error_type="server_error", message=str(exc))
-        else:
-            job.error = ErrorEvent(status=400, error_type="invalid_request_error", message=str(exc))
+            job.error = error_event(exc)
+        else:  # the engine refused the request
+            job.error = error_event(exc, 400, "invalid_request_error")
         job.outcome.set_result("rejected")

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.engine.conftest import cpu_only
-from tests.engine.tiny_models import tiny_model_dir
+from tests.support.engines import cpu_only
+from tests.support.tiny_models import tiny_model_dir
 from worker.engine import autotune
 from worker.engine.autotune import (
     KernelPlan,

@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from tests.engine.conftest import TEST_DEVICE
+from tests.support.engines import TEST_DEVICE
 from worker.layers import native
 from worker.layers.linear_kernels import build_kernel
 
@@ -135,7 +135,7 @@ def test_small_ops_are_batch_invariant():
 
 
 def test_invariant_plan_gives_each_group_one_kernel(tmp_path):
-    from tests.engine.tiny_models import tiny_model_dir
+    from tests.support.tiny_models import tiny_model_dir
     from worker.engine.autotune import choose_kernels
     from worker.models.loader import load_model
 

@@ -11,9 +11,9 @@ import logging
 import pytest
 import torch
 
-from tests.engine.conftest import cpu_only, make_engine
 from tests.engine.test_engine import GREEDY, hf_greedy, random_prompts, token_ids
 from tests.engine.test_step_overhead import _run_steps
+from tests.support.engines import cpu_only, make_engine
 from worker.engine.compiled import decoder_layers
 from worker.engine.engine import LLMEngine
 from worker.engine.offline import LLM

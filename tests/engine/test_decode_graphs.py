@@ -13,8 +13,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tests.engine.conftest import TEST_DEVICE, cpu_only, make_engine
 from tests.engine.test_engine import GREEDY, hf_greedy, random_prompts, token_ids
+from tests.support.engines import TEST_DEVICE, cpu_only, make_engine
 from worker.engine.cuda_graphs import (
     DecodeGraphs,
     EagerReplay,

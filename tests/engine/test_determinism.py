@@ -11,15 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.engine.conftest import (
+from tests.support.engines import (
     TEST_DEVICE,
     add_tiny_tokenizer,
     assert_all_blocks_free,
     make_engine,
 )
-from tests.engine.tiny_models import tiny_model_dir
+from tests.support.tiny_models import tiny_model_dir
+from worker.engine.core.sampling_params import SamplingParams
 from worker.engine.offline import LLM
-from worker.engine.sampling_params import SamplingParams
 from worker.layers import native
 
 pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="CPU kernels")

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from shared.errors import InvalidRequestError
-from tests.engine.conftest import make_engine
+from tests.support.engines import make_engine
+from worker.engine.core.sampling_params import SamplingParams
 from worker.engine.engine import LLMEngine
 from worker.engine.offline import LLM
-from worker.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from shared.model_files import DEFAULT_MODEL_NAME, converted_dir, resolve_model
-from tests.engine.tiny_models import ArgmaxSampler, ManualBatch, make_request, tiny_model_dir
+from tests.support.tiny_models import ArgmaxSampler, ManualBatch, make_request, tiny_model_dir
 from worker.engine.kv_cache import allocate_kv_cache, kv_bytes_per_block
 from worker.engine.model_runner import ModelRunner
 from worker.models import loader

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.engine.conftest import TEST_DEVICE
-from tests.engine.tiny_models import (
+from tests.support.engines import TEST_DEVICE
+from tests.support.tiny_models import (
     FAMILIES,
     ArgmaxSampler,
     ManualBatch,
@@ -17,8 +17,8 @@ from tests.engine.tiny_models import (
     reference_model,
     tiny_model_dir,
 )
+from worker.engine.core.outputs import SchedulerOutput
 from worker.engine.model_runner import ModelRunner
-from worker.engine.outputs import SchedulerOutput
 from worker.layers.rotary import compute_inv_freq, rope_parameters
 from worker.models.loader import LoadedModel, load_model
 

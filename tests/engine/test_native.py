@@ -14,11 +14,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.engine.conftest import TEST_DEVICE, add_tiny_tokenizer, assert_all_blocks_free
-from tests.engine.conftest import make_engine as make_test_engine
-from tests.engine.tiny_models import ArgmaxSampler, ManualBatch, make_request, tiny_model_dir
+from tests.support.engines import TEST_DEVICE, add_tiny_tokenizer, assert_all_blocks_free
+from tests.support.engines import make_engine as make_test_engine
+from tests.support.tiny_models import ArgmaxSampler, ManualBatch, make_request, tiny_model_dir
+from worker.engine.core.sampling_params import SamplingParams
 from worker.engine.model_runner import ModelRunner
-from worker.engine.sampling_params import SamplingParams
 from worker.layers import native
 from worker.layers.activation import SiluAndMul
 from worker.layers.attention import AttentionOptions, _decode_eager

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from tests.engine.conftest import assert_all_blocks_free, make_engine
+from tests.support.engines import assert_all_blocks_free, make_engine
+from worker.engine.core.sampling_params import SamplingParams
 from worker.engine.engine import LLMEngine
-from worker.engine.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=6, ignore_eos=True)
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12]]

@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.engine.conftest import cpu_only, make_engine
 from tests.engine.test_engine import GREEDY, random_prompts, token_ids
-from tests.engine.tiny_models import tiny_config
+from tests.support.engines import cpu_only, make_engine
+from tests.support.tiny_models import tiny_config
 from worker.engine.engine import LLMEngine
 from worker.engine.offline import LLM
 from worker.layers import quant

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from shared.model_files import DEFAULT_MODEL_NAME, converted_dir, resolve_model
-from tests.engine.conftest import TEST_DEVICE
+from tests.support.engines import TEST_DEVICE
 from worker.engine.config import EngineConfig
+from worker.engine.core.sampling_params import SamplingParams
 from worker.engine.engine import LLMEngine
 from worker.engine.offline import LLM
-from worker.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

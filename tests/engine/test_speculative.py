@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine.conftest import make_engine
 from tests.engine.test_engine import random_prompts
+from tests.support.engines import make_engine
+from worker.engine.core.sampling_params import SamplingParams
 from worker.engine.engine import LLMEngine
 from worker.engine.offline import LLM, GenerationResult
-from worker.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 NUM_DRAFTS = 4

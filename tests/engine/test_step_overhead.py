@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.engine.tiny_models import ArgmaxSampler, ManualBatch, make_request, tiny_model_dir
+from tests.support.tiny_models import ArgmaxSampler, ManualBatch, make_request, tiny_model_dir
 from worker.engine.autotune import choose_kernels
 from worker.engine.model_runner import ModelRunner
 from worker.layers.linear import Linear, PackedLinear

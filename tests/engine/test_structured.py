@@ -11,10 +11,10 @@ import pytest
 
 from shared.errors import InvalidRequestError
 from shared.grammar import build_grammar
-from tests.engine.conftest import assert_all_blocks_free, make_engine
-from tests.engine.tiny_bytes import tiny_byte_model_dir
+from tests.support.engines import assert_all_blocks_free, make_engine
+from tests.support.tiny_bytes import tiny_byte_model_dir
+from worker.engine.core.sampling_params import SamplingParams
 from worker.engine.engine import LLMEngine, SequenceOutput
-from worker.engine.sampling_params import SamplingParams
 
 SCHEMAS = json.loads((Path(__file__).parents[1] / "data" / "json_schemas.json").read_text())
 CHECKER = jsonschema.Draft202012Validator.FORMAT_CHECKER

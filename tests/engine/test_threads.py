@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from tests.engine.conftest import cpu_only, make_engine
+from tests.support.engines import cpu_only, make_engine
+from worker.engine.core.sampling_params import SamplingParams
 from worker.engine.engine import LLMEngine
-from worker.engine.sampling_params import SamplingParams
 
 pytestmark = cpu_only
 

@@ -12,7 +12,7 @@ import pytest
 from shared.config import Settings
 from shared.contracts import JobPayload, JobRecord, SamplingSpec, decode_event
 from shared.keys import Keys
-from tests.engine.conftest import assert_all_blocks_free, make_engine
+from tests.support.engines import assert_all_blocks_free, make_engine
 from worker.service import HandBack, WorkerService
 
 TOKENIZING = ("encode", "apply_chat_template", "chat_text")
@@ -91,8 +91,8 @@ def test_the_worker_does_not_tokenize_a_prompt_the_api_tokenized(
 
 def engine_greedy(model_dir: Path, prompt_ids: list[int], max_tokens: int = 4) -> list[int]:
     """The same ids straight through an engine: what the job must have generated."""
+    from worker.engine.core.sampling_params import SamplingParams
     from worker.engine.offline import LLM
-    from worker.engine.sampling_params import SamplingParams
 
     llm = LLM(engine=make_engine(model_dir))
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine.conftest import add_tiny_tokenizer
-from tests.engine.tiny_models import tiny_model_dir
-from tests.integration.harness import Service, redis_available, start_service
+from tests.support.engines import add_tiny_tokenizer
+from tests.support.harness import Service, redis_available, start_service
+from tests.support.tiny_models import tiny_model_dir
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import httpx
 import redis
 
-from tests.integration.harness import Service
+from tests.support.harness import Service
 
 PROMPT = "w5 w17 w99 w42 w7 w128 w64"
 
@@ -115,9 +115,9 @@ class Call:
 
 def expected_text(model_dir: object, max_tokens: int) -> str:
     """What the offline engine answers to PROMPT, greedily (what the service must answer)."""
-    from tests.engine.conftest import make_engine
+    from tests.support.engines import make_engine
+    from worker.engine.core.sampling_params import SamplingParams
     from worker.engine.offline import LLM
-    from worker.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     engine = make_engine(model_dir)  # type: ignore[arg-type]

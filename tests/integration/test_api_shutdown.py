@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.faults import Call, body, expected_text, model_id, poll, wait_records
-from tests.integration.harness import Service, start_service
+from tests.support.harness import Service, start_service
 
 
 @pytest.fixture

@@ -13,7 +13,6 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.harness import start_service, wait_until
 from tests.integration.test_batches import (
     chat_line,
     completion_line,
@@ -21,6 +20,7 @@ from tests.integration.test_batches import (
     read_lines,
     wait_final,
 )
+from tests.support.harness import start_service, wait_until
 
 NUM_LINES = 40
 

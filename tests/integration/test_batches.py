@@ -13,7 +13,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.integration.harness import Service, start_service
+from tests.support.harness import Service, start_service
 
 MODEL_LINES = 6
 
@@ -210,7 +210,7 @@ def test_ladle_batch_submit_status_and_cancel(batch_service: Service, tmp_path: 
     lines = [chat_line(f"q{i}", f"w{i + 5}") for i in range(3)] + [completion_line("t", "w9")]
     source = tmp_path / "prompts.jsonl"
     source.write_bytes(jsonl(lines))
-    base = [sys.executable, "-m", "shared.cli", "batch", "--base-url", batch_service.base_url]
+    base = [sys.executable, "-m", "ladle", "batch", "--base-url", batch_service.base_url]
     done = subprocess.run(
         [*base, "submit", str(source), "--poll", "0.2"], capture_output=True, text=True, timeout=300
     )

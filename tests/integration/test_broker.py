@@ -9,7 +9,7 @@ import os
 import pytest
 import redis
 
-from shared import broker
+from ladle import broker
 from shared.queue import deserialize_job, serialize_job
 
 # The worker's final-state write in miniature: compare-and-set, then append to a stream.

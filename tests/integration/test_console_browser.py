@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from shared.model_files import DEFAULT_MODEL_NAME
-from tests.integration.harness import Service, start_service
+from tests.support.harness import Service, start_service
 
 CHROMIUM = os.environ.get("LADLE_CHROMIUM") or shutil.which("chromium")
 KEY = "console-test-key"

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.harness import Service, start_service, wait_until
+from tests.support.harness import Service, start_service, wait_until
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"

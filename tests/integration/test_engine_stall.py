@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.integration.faults import Call, body, expected_text, model_id, wait_records
-from tests.integration.harness import Service, start_service, wait_until
+from tests.support.harness import Service, start_service, wait_until
 
 MAX_TOKENS = 60
 

@@ -4,7 +4,7 @@ submission (it lost the first answer) gets the one job, completed once."""
 from __future__ import annotations
 
 from tests.integration.faults import body, model_id, poll, records
-from tests.integration.harness import Service
+from tests.support.harness import Service
 
 
 def test_a_retried_submission_runs_once(service: Service) -> None:

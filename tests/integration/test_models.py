@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine.conftest import add_tiny_tokenizer
-from tests.engine.tiny_models import tiny_model_dir
-from tests.integration.harness import Service, start_service, wait_until
+from tests.support.engines import add_tiny_tokenizer
+from tests.support.harness import Service, start_service, wait_until
+from tests.support.tiny_models import tiny_model_dir
 
 NUM_REQUESTS = 6
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.integration.faults import PROMPT, model_id
-from tests.integration.harness import Service, start_service
+from tests.support.harness import Service, start_service
 
 ADMIN, ALPHA, BRAVO = "sk-admin-0000", "sk-alpha-1111", "sk-bravo-2222"
 

@@ -16,7 +16,7 @@ import pytest
 import redis
 
 from tests.integration.faults import Call, body, expected_text, model_id, poll
-from tests.integration.harness import RedisServer, Service, start_service, wait_until
+from tests.support.harness import RedisServer, Service, start_service, wait_until
 
 FILLER_KEYS, FILLER_BYTES = 200, 100_000
 

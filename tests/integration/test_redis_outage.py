@@ -28,7 +28,7 @@ from tests.integration.faults import (
     wait_ready,
     wait_records,
 )
-from tests.integration.harness import RedisServer, Service, start_service
+from tests.support.harness import RedisServer, Service, start_service
 
 
 @dataclass

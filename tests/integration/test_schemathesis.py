@@ -1,7 +1,7 @@
 """Schema-driven fuzzing of the real API (tiny model, one worker): no input may cause a 5xx.
 
 Schemathesis generates requests from the app's own OpenAPI schema (request bodies are
-declared in it by `api.protocol.openapi_body`), valid and invalid ones, for every operation,
+declared in it by `api.openai.protocol.openapi_body`), valid and invalid ones, for every operation,
 under a small per-operation budget (`LADLE_FUZZ_EXAMPLES`, default 8). The longer run:
 `python -m loadtest.fuzz` (see docs/reliability.md, "Bad input").
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import Service, start_service
+from tests.support.harness import Service, start_service
 
 schemathesis = pytest.importorskip("schemathesis")
 

@@ -10,10 +10,10 @@ import httpx
 import openai
 import pytest
 
-from tests.engine.conftest import make_engine
-from tests.integration.harness import Service
+from tests.support.engines import make_engine
+from tests.support.harness import Service
+from worker.engine.core.sampling_params import SamplingParams
 from worker.engine.offline import LLM
-from worker.engine.sampling_params import SamplingParams
 
 PROMPT = "w5 w17 w99 w42 w7 w128 w64"
 MESSAGES = [{"role": "user", "content": "w10 w11 w12 w13"}]

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from tests.integration.faults import PROMPT, model_id, wait_records
-from tests.integration.harness import Service, start_service
+from tests.support.harness import Service, start_service
 
 # Chat chunks with 20 top logprobs are ~2 KB: 8 x 480 of them (~8 MB) outgrow what the
 # kernel buffers (tcp_wmem max 4 MB), so the API must feel the slow client.

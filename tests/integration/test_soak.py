@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from loadtest.soak import SoakConfig, soak, wait_keys_expire
-from tests.integration.harness import TEST_REDIS_URL, start_service
+from tests.support.harness import TEST_REDIS_URL, start_service
 
 log = logging.getLogger(__name__)
 CONFIG = SoakConfig(

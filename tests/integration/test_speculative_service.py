@@ -10,10 +10,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.engine.conftest import make_engine
-from tests.integration.harness import Service, spare_port, start_service
+from tests.support.engines import make_engine
+from tests.support.harness import Service, spare_port, start_service
+from worker.engine.core.sampling_params import SamplingParams
 from worker.engine.offline import LLM
-from worker.engine.sampling_params import SamplingParams
 
 # A passage quoted twice: the continuation repeats it, so drafts get accepted.
 PROMPT = " ".join(f"w{i}" for i in [5, 17, 99, 42, 7, 128, 64] * 3)

@@ -14,8 +14,8 @@ import jsonschema
 import openai
 import pytest
 
-from tests.integration.harness import Service, start_service
 from tests.integration.test_structured_service import PARAMS, SCHEMAS, TOOLS, USER
+from tests.support.harness import Service, start_service
 
 pytestmark = pytest.mark.slow
 CHECKER = jsonschema.Draft202012Validator.FORMAT_CHECKER

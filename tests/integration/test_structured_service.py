@@ -16,8 +16,8 @@ import pytest
 from pydantic import BaseModel, Field
 
 from shared.tokenizer import load_tokenizer
-from tests.engine.tiny_bytes import tiny_byte_model_dir
-from tests.integration.harness import Service, start_service
+from tests.support.harness import Service, start_service
+from tests.support.tiny_bytes import tiny_byte_model_dir
 
 SCHEMAS = json.loads((Path(__file__).parents[1] / "data" / "json_schemas.json").read_text())
 CHECKER = jsonschema.Draft202012Validator.FORMAT_CHECKER

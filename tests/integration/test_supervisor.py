@@ -16,7 +16,7 @@ import pytest
 
 from loadtest.up import UpProcess
 from tests.integration.faults import body, poll, wait_records
-from tests.integration.harness import ROOT, TEST_REDIS_URL, cleanup_keys, spare_port
+from tests.support.harness import ROOT, TEST_REDIS_URL, cleanup_keys, spare_port
 
 MAX_TOKENS = 400
 

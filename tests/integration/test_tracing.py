@@ -24,7 +24,7 @@ from shared.contracts import JobPayload
 from shared.keys import Keys
 from shared.queue import deserialize_job
 from shared.tokenizer import load_tokenizer
-from tests.engine.conftest import assert_all_blocks_free, make_engine
+from tests.support.engines import assert_all_blocks_free, make_engine
 from tests.unit.api_harness import _cleanup, make_settings
 from tests.unit.fake_worker import FakeWorker
 from worker.service import HandBack, WorkerService

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine.conftest import make_engine
 from tests.integration.faults import PROMPT, Call, body, model_id, poll, wait_records
-from tests.integration.harness import Service, start_service
+from tests.support.engines import make_engine
+from tests.support.harness import Service, start_service
+from worker.engine.core.sampling_params import SamplingParams
 from worker.engine.offline import LLM
-from worker.engine.sampling_params import SamplingParams
 
 MAX_TOKENS = 400
 

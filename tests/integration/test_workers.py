@@ -12,11 +12,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.engine.conftest import make_engine
-from tests.integration.harness import Service, start_service
 from tests.integration.test_service import PROMPT, _poll
+from tests.support.engines import make_engine
+from tests.support.harness import Service, start_service
+from worker.engine.core.sampling_params import SamplingParams
 from worker.engine.offline import LLM
-from worker.engine.sampling_params import SamplingParams
 
 
 @pytest.fixture

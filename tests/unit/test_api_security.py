@@ -11,12 +11,12 @@ import pytest
 from redis.asyncio.connection import SSLConnection
 
 from api.app import make_redis
-from api.jobs import new_job_id
+from api.jobs.store import new_job_id
 from shared.config import Settings
 from shared.keys import Keys
 from shared.logging import JsonFormatter
-from shared.redis_url import arq_redis_settings
 from tests.unit.api_harness import harness
+from worker.redis_settings import arq_redis_settings
 
 PROMPT = {"model": "test-model", "prompt": "Hello"}
 JOB = {"url": "/v1/completions", "body": PROMPT}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from api.files import parse_batch_file
+from api.batches.files import parse_batch_file
 from loadtest.batch_load import batch_lines
 
 

@@ -23,8 +23,8 @@ from loadtest.workload import (
     run_level,
     summarize,
 )
-from tests.engine.conftest import add_tiny_tokenizer, make_engine
-from tests.engine.tiny_models import tiny_model_dir
+from tests.support.engines import add_tiny_tokenizer, make_engine
+from tests.support.tiny_models import tiny_model_dir
 
 
 def test_percentile_interpolates_like_numpy() -> None:

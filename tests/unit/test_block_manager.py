@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from worker.engine import block_manager as bm_module
-from worker.engine.block_manager import BlockManager, hash_block
-from worker.engine.request import Request
-from worker.engine.sampling_params import SamplingParams
+from worker.engine.core import block_manager as bm_module
+from worker.engine.core.block_manager import BlockManager, hash_block
+from worker.engine.core.request import Request
+from worker.engine.core.sampling_params import SamplingParams
 
 BS = 4
 

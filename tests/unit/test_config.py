@@ -16,7 +16,7 @@ from shared.config import (
     preload_allocator,
 )
 from worker.engine.config import SETTING_NAMES, EngineConfig
-from worker.engine.scheduler import SchedulerConfig
+from worker.engine.core.scheduler import SchedulerConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -68,13 +68,13 @@ def _environment_users(path: Path) -> list[str]:
 
 # Where the environment may be read or written: settings, and the supervisor, which hands
 # its own environment to the processes it starts.
-ENVIRONMENT_ALLOWED = {"shared/config.py", "shared/launcher.py"}
+ENVIRONMENT_ALLOWED = {"shared/config.py", "ladle/launcher.py"}
 
 
 def test_no_environment_reads_or_writes_outside_settings() -> None:
     found = [
         use
-        for top in ("api", "worker", "shared")
+        for top in ("api", "worker", "shared", "ladle")
         for path in sorted((ROOT / top).rglob("*.py"))
         if str(path.relative_to(ROOT)) not in ENVIRONMENT_ALLOWED
         for use in _environment_users(path)

@@ -9,7 +9,7 @@ import pytest
 from arq.constants import in_progress_key_prefix
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from api import jobs as api_jobs
+from api.jobs import store as api_jobs
 from shared import tracing
 from shared.config import Settings
 from tests.unit.api_harness import harness

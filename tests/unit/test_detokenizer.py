@@ -10,8 +10,8 @@ from tokenizers import models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from shared.tokenizer import Tokenizer
+from worker.engine.core.sampling_params import SamplingParams
 from worker.engine.detokenizer import IncrementalDetokenizer
-from worker.engine.sampling_params import SamplingParams
 
 CORPUS = [
     "hello world this is a test of the tokenizer",

@@ -5,8 +5,8 @@ replays from position 0 as before."""
 
 from __future__ import annotations
 
-from api.formatting import Accumulator, ResponseContext
-from api.streaming import StreamTranslator
+from api.openai.formatting import Accumulator, ResponseContext
+from api.openai.streaming import StreamTranslator
 from shared.contracts import DeltaEvent, RestartEvent
 
 D0 = DeltaEvent(index=0, text="a", token_ids=[5], pos=0)

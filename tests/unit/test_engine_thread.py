@@ -27,12 +27,28 @@ class FlakyEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.held)
 
+    def stats(self) -> int:
+        return len(self.held)
+
     def step(self) -> list[str]:
         self.num_steps += 1
         if self.num_steps == 1:
             raise RuntimeError("boom")
         done, self.held = self.held, []
         return done
+
+
+def threads_calling(engine: FlakyEngine, method: str) -> list[int]:
+    """Wraps `engine.<method>` to record the thread of every call; returns that record."""
+    callers: list[int] = []
+    wrapped = getattr(engine, method)
+
+    def call() -> object:
+        callers.append(threading.get_ident())
+        return wrapped()
+
+    setattr(engine, method, call)
+    return callers
 
 
 class Prepared:
@@ -75,9 +91,7 @@ def test_the_engine_is_built_and_stepped_on_the_same_thread() -> None:
     built_on = host.submit(threading.get_ident).result(timeout=5)
     engine = FlakyEngine()
     engine.num_steps = 1  # no failing first step here
-    stepped_on: list[int] = []
-    step = engine.step
-    engine.step = lambda: (stepped_on.append(threading.get_ident()), step())[1]  # type: ignore[method-assign]
+    stepped_on = threads_calling(engine, "step")
     done = threading.Event()
     thread = EngineThread(engine, lambda outputs: done.set(), lambda rid, exc: None, host=host)
     thread.start()
@@ -105,3 +119,20 @@ def test_an_exception_in_a_hosted_call_reaches_the_caller() -> None:
         assert host.submit(int, "7").result(timeout=5) == 7  # the thread carries on
     finally:
         host.close()
+
+
+def test_stats_are_a_snapshot_published_by_the_engine_thread() -> None:
+    """Others read `thread.stats`; only the engine thread calls `engine.stats()` once started."""
+    engine = FlakyEngine()
+    callers = threads_calling(engine, "stats")
+    engine.num_steps, done = 1, threading.Event()
+    thread = EngineThread(engine, lambda outputs: done.set(), lambda rid, exc: None)
+    assert thread.stats == 0 and callers == [threading.get_ident()]  # before start: no race
+    thread.add(Prepared("a"))
+    thread.start()
+    try:
+        assert done.wait(5)
+        assert thread.stats == 0  # the step finished "a", and the snapshot says so
+        assert set(callers[1:]) == {thread._host.thread.ident}  # type: ignore[union-attr]
+    finally:
+        thread.stop()

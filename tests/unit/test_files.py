@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from api.batches.files import parse_batch_file
 from api.errors import APIError
-from api.files import parse_batch_file
 
 GOOD = {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}
 

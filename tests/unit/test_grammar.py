@@ -7,13 +7,13 @@ import sys
 
 import pytest
 
+from api.openai.tools import MAX_PARALLEL_CALLS, required_calls_schema
 from shared.grammar import GrammarError, build_grammar, close_objects
-from shared.tools import MAX_PARALLEL_CALLS, required_calls_schema
 
 
 def test_the_api_compiles_schemas_without_importing_torch() -> None:
     code = (
-        "import sys, api.app, api.structured\n"
+        "import sys, api.app, api.openai.constraints\n"
         "from shared.grammar import build_grammar\n"
         "build_grammar('json_schema', {'properties': {'a': {'type': 'integer'}}})\n"
         "build_grammar('regex', '[a-z]+')\n"

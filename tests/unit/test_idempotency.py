@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from api import idempotency
+from api.jobs import idempotency
 from shared.contracts import QUEUED_GRACE_S
 from tests.unit.api_harness import harness
 

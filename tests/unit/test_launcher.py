@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from shared import broker, cli, launcher
-from shared.broker import BrokerError, BrokerHandle
+from ladle import broker, cli, launcher
+from ladle.broker import BrokerError, BrokerHandle
 from shared.config import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -298,7 +298,7 @@ def test_up_runs_until_sigterm(
 
 def test_python_dash_m_shared_cli_help() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "shared.cli", "up", "--help"],
+        [sys.executable, "-m", "ladle", "up", "--help"],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from worker.engine.ngram import NgramProposer, accept_drafts, can_speculate
-from worker.engine.request import Request
+from worker.engine.core.ngram import NgramProposer, accept_drafts, can_speculate
+from worker.engine.core.request import Request
+from worker.engine.core.sampling_params import SamplingParams
 from worker.engine.sampler import Sampler
-from worker.engine.sampling_params import SamplingParams
 
 
 def make_request(

@@ -14,10 +14,10 @@ import pytest
 from annotated_types import Ge, Gt, Le, Lt
 from pydantic import BaseModel, ValidationError
 
-from api.prompting import sampling_spec
-from api.protocol import REQUEST_FIELDS, ChatCompletionRequest, CompletionRequest
+from api.openai.prompting import sampling_spec
+from api.openai.protocol import REQUEST_FIELDS, ChatCompletionRequest, CompletionRequest
 from shared.contracts import JobPayload, SamplingSpec
-from worker.engine.sampling_params import SamplingParams
+from worker.engine.core.sampling_params import SamplingParams
 
 SPEC_FIELDS = set(SamplingSpec.model_fields)
 HTTP_MODELS: tuple[type[BaseModel], ...] = (CompletionRequest, ChatCompletionRequest)

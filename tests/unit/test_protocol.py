@@ -8,11 +8,11 @@ import logging
 import pytest
 from pydantic import ValidationError
 
-from api.formatting import Accumulator, ResponseContext, build_response
-from api.prompting import check_context, sampling_spec
-from api.protocol import ChatCompletionRequest, CompletionRequest
-from api.relay import parse_entry_id
-from api.streaming import StreamInconsistent, StreamTranslator
+from api.jobs.relay import parse_entry_id
+from api.openai.formatting import Accumulator, ResponseContext, build_response
+from api.openai.prompting import check_context, sampling_spec
+from api.openai.protocol import ChatCompletionRequest, CompletionRequest
+from api.openai.streaming import StreamInconsistent, StreamTranslator
 from shared.contracts import ChoiceEnd, DeltaEvent, DoneEvent, RestartEvent, Usage
 from shared.logging import JsonFormatter, request_id_var
 from shared.metrics import ApiMetrics, WorkerMetrics, render
@@ -139,3 +139,24 @@ def test_metric_groups() -> None:
         "llm_inter_token_latency_seconds",
     ):
         assert name in worker_text
+
+
+def test_an_exception_becomes_one_error_event_keeping_param_and_code() -> None:
+    from shared.contracts import error_event
+    from shared.errors import InvalidRequestError
+
+    refused = InvalidRequestError("too long", param="messages", code="context_length_exceeded")
+    event = error_event(refused, 500)  # a request error is a 400 whatever the caller's default
+    assert (event.status, event.error_type, event.param, event.code) == (
+        400,
+        "invalid_request_error",
+        "messages",
+        "context_length_exceeded",
+    )
+    crash = error_event(RuntimeError("boom"), code="worker_lost")
+    assert (crash.status, crash.error_type, crash.message, crash.code) == (
+        500,
+        "server_error",
+        "boom",
+        "worker_lost",
+    )

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from api.keyring import KeyRingHolder, api_key_id, key_sha256, parse_keys_file
+from api.keys.keyring import KeyRingHolder, api_key_id, key_sha256, parse_keys_file
 from shared.ratelimit import format_reset, retry_after_s
 from tests.unit.api_harness import harness, make_settings
 

@@ -8,7 +8,7 @@ import asyncio
 
 import fakeredis
 
-from api.relay import Relay
+from api.jobs.relay import Relay
 from shared.contracts import DeltaEvent, encode_event
 from shared.keys import Keys
 

@@ -7,7 +7,7 @@ import asyncio
 import fakeredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from api.relay import Relay
+from api.jobs.relay import Relay
 from shared.keys import Keys
 
 KEYS = Keys("t")

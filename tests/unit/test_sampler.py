@@ -8,9 +8,9 @@ from collections import Counter
 import pytest
 import torch
 
-from worker.engine.request import Request
+from worker.engine.core.request import Request
+from worker.engine.core.sampling_params import SamplingParams
 from worker.engine.sampler import Sampler, _top_k_top_p
-from worker.engine.sampling_params import SamplingParams
 
 torch.set_num_threads(1)
 

@@ -7,11 +7,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from worker.engine.block_manager import BlockManager
-from worker.engine.outputs import ModelRunnerOutput, SampledToken, SchedulerOutput
-from worker.engine.request import Request, RequestStatus
-from worker.engine.sampling_params import SamplingParams
-from worker.engine.scheduler import Scheduler, SchedulerConfig
+from worker.engine.core.block_manager import BlockManager
+from worker.engine.core.outputs import ModelRunnerOutput, SampledToken, SchedulerOutput
+from worker.engine.core.request import Request, RequestStatus
+from worker.engine.core.sampling_params import SamplingParams
+from worker.engine.core.scheduler import Scheduler, SchedulerConfig
 
 BS = 4
 

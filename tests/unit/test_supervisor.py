@@ -13,10 +13,10 @@ import uuid
 import pytest
 import redis
 
-from shared import launcher
+from ladle import launcher
+from ladle.supervisor import ChildSpec, RestartPolicy, StatusPublisher, Supervisor
 from shared.contracts import SupervisorRecord
 from shared.keys import Keys
-from shared.supervisor import ChildSpec, RestartPolicy, StatusPublisher, Supervisor
 from tests.unit.api_harness import REDIS_URL, harness
 
 SLEEPER = "import time; time.sleep(60)"

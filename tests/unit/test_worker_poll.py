@@ -62,19 +62,6 @@ def test_a_wake_up_ends_the_wait_between_polls(monkeypatch: pytest.MonkeyPatch) 
     asyncio.run(scenario())
 
 
-class _Stats:
-    def __init__(self, num_waiting: int) -> None:
-        self.num_waiting = num_waiting
-
-
-class _Engine:
-    def __init__(self) -> None:
-        self.num_waiting = 0
-
-    def stats(self) -> _Stats:
-        return _Stats(self.num_waiting)
-
-
 def _jobs(lane: str, count: int, start: int = 0) -> dict[str, SimpleNamespace]:
     return {
         f"{lane}{i}": SimpleNamespace(payload=SimpleNamespace(lane=lane))
@@ -89,8 +76,10 @@ def test_batch_lines_take_only_spare_room() -> None:
     settings = Settings(
         max_batch_size=8, worker_max_queued=2, batch_reserved_seqs=3, batch_max_seqs=2
     )
-    service = WorkerService.__new__(WorkerService)  # admission needs no engine thread
-    service.settings, service.engine, service.draining = settings, _Engine(), False
+    service = WorkerService.__new__(WorkerService)  # admission reads the thread's snapshot only
+    snapshot = SimpleNamespace(num_waiting=0)
+    service.engine_thread = SimpleNamespace(stats=snapshot)
+    service.settings, service.draining = settings, False
     service.jobs, service.num_pending = _jobs("interactive", 2), 0
     service.watchdog = SimpleNamespace(is_stalled=False)  # the engine steps
     assert admission_capacity(service, "interactive", 0) == 2  # worker_max_queued
@@ -102,7 +91,7 @@ def test_batch_lines_take_only_spare_room() -> None:
     assert admission_capacity(service, "batch", 0) == 0  # only the reserved slots are left
     assert admission_capacity(service, "interactive", 0) == 2
     service.jobs = {}
-    service.engine.num_waiting = 1  # anything waiting for the engine: no batch line
+    snapshot.num_waiting = 1  # anything waiting for the engine: no batch line
     assert admission_capacity(service, "batch", 0) == 0
     assert admission_capacity(service, "interactive", 0) == 1
 

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.engine.block_manager import cdiv
-from worker.engine.outputs import ScheduledChunk
+from worker.engine.core.block_manager import cdiv
+from worker.engine.core.outputs import ScheduledChunk
 from worker.layers.context import AttentionMetadata, PrefillChunkMeta
 
 

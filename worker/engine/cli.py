@@ -11,7 +11,7 @@ from typing import Any, get_args
 
 from shared.config import Settings, apply_openmp_defaults
 from worker.engine.config import EngineConfig
-from worker.engine.sampling_params import SamplingParams
+from worker.engine.core.sampling_params import SamplingParams
 
 
 def _fields_from(args: argparse.Namespace, cls: type) -> dict[str, Any]:

@@ -1,8 +1,8 @@
 """The model's forward compiled by inductor (CPU): a few fused kernels instead of ~6,000 ops.
 
-A single-token decode step of SmolLM2-135M runs about 6,200 aten ops eagerly, roughly 10 us
-each on a busy core: most of the step (issue 9). Compiled, the norms, rotary, SiLU-mul and
-residual adds of a layer become a few C++/OpenMP loops; the matmuls (`ladle::linear`) and the
+Eagerly, a small model's decode step is mostly per-op overhead (docs/benchmarks.md,
+"Profile: where the time goes"). Compiled, the norms, rotary, SiLU-mul and residual adds of a
+layer become a few C++/OpenMP loops; the matmuls (`ladle::linear`) and the
 paged attention (`ladle::paged_attention`) stay opaque custom ops, so any weight layout and
 the ragged per-step metadata stay out of the graph. Shapes: the token count is dynamic, so
 one graph serves T = 1 (specialised) and one every T >= 2; both are compiled at start, and a
@@ -133,7 +133,7 @@ def compile_forward(
 
     Regional compilation: every decoder layer runs the same code, so Dynamo traces and
     inductor compiles one layer (per shape class) and all layers reuse it, a fraction of
-    compiling the whole model (SmolLM2, 30 layers: 665 s whole at load ~10). None when
+    the time the whole model takes to compile. None when
     `mode` is off, on a non-CPU device (CUDA has its graphs), when compiling fails (logged),
     or in `auto` when the compiled single-token step measures slower than eager.
     """

@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from worker.engine.attention_metadata import decode_tensors, slots_for
-from worker.engine.block_manager import cdiv
-from worker.engine.outputs import ScheduledChunk
+from worker.engine.core.block_manager import cdiv
+from worker.engine.core.outputs import ScheduledChunk
 from worker.layers.context import AttentionMetadata, set_attention_metadata
 
 logger = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ checked once the request has min_tokens output tokens.
 from __future__ import annotations
 
 from shared.tokenizer import Tokenizer
-from worker.engine.sampling_params import SamplingParams
+from worker.engine.core.sampling_params import SamplingParams
 
 # How many prompt tokens precede the first output token in the decode window.
 _PROMPT_CONTEXT_TOKENS = 5

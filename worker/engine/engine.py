@@ -1,7 +1,8 @@
 """The engine: schedule -> execute -> update, one step at a time, on one thread.
 
-Not thread-safe: one thread owns it (see `worker.engine.engine_thread`). `prepare()` only
-reads the tokenizer and configuration and may run elsewhere.
+Not thread-safe: one thread owns it (`EngineThread` in `worker/engine_thread.py`), and others
+read the `stats()` snapshot that thread publishes after each step. `prepare()` only reads the
+tokenizer and configuration and may run elsewhere.
 """
 
 from __future__ import annotations
@@ -14,16 +15,16 @@ from typing import Any
 from shared.errors import InvalidRequestError, check_context_length
 from shared.grammar import GrammarError
 from shared.tokenizer import Tokenizer, load_tokenizer
-from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig
+from worker.engine.core.block_manager import BlockManager
+from worker.engine.core.outputs import SampledToken
+from worker.engine.core.request import Request, RequestStatus
+from worker.engine.core.sampling_params import SamplingParams
+from worker.engine.core.scheduler import Scheduler, SchedulerConfig
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.executor import Executor, build_executor
+from worker.engine.grammar_matcher import GrammarCompiler, GrammarMatcher
 from worker.engine.inputs import tokenize_prompt
-from worker.engine.outputs import SampledToken
-from worker.engine.request import Request, RequestStatus
-from worker.engine.sampling_params import SamplingParams
-from worker.engine.scheduler import Scheduler, SchedulerConfig
-from worker.engine.structured import GrammarCompiler, GrammarMatcher
 
 logger = logging.getLogger(__name__)
 

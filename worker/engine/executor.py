@@ -14,9 +14,9 @@ import torch
 
 from worker.engine.autotune import KernelPlan, choose_kernels
 from worker.engine.config import EngineConfig
+from worker.engine.core.outputs import ModelRunnerOutput, SchedulerOutput
 from worker.engine.kv_cache import kv_bytes_per_block
 from worker.engine.model_runner import ModelRunner
-from worker.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from worker.engine.sampler import Sampler
 from worker.engine.threads import ThreadChooser
 from worker.layers import native

@@ -9,11 +9,11 @@ import torch
 
 from worker.engine.attention_metadata import build_step_inputs
 from worker.engine.compiled import CompileMode, compile_forward
+from worker.engine.core.ngram import accept_drafts
+from worker.engine.core.outputs import ModelRunnerOutput, SampledToken, SchedulerOutput
+from worker.engine.core.request import Request
 from worker.engine.cuda_graphs import CudaGraphBackend, DecodeGraphs, GraphCaptureError
 from worker.engine.kv_cache import KVCache, allocate_kv_cache, bind_kv_cache
-from worker.engine.ngram import accept_drafts
-from worker.engine.outputs import ModelRunnerOutput, SampledToken, SchedulerOutput
-from worker.engine.request import Request
 from worker.layers.attention import PagedAttention
 from worker.layers.context import set_attention_metadata
 from worker.models.loader import LoadedModel

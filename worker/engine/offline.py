@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from worker.engine.config import EngineConfig
+from worker.engine.core.outputs import SampledToken
+from worker.engine.core.sampling_params import SamplingParams
 from worker.engine.engine import LLMEngine, SequenceOutput
-from worker.engine.outputs import SampledToken
-from worker.engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 

@@ -24,10 +24,10 @@ from concurrent.futures import Future
 
 import torch
 
-from worker.engine.outputs import SampledToken, TopToken
-from worker.engine.request import Request
-from worker.engine.sampling_params import SamplingParams
-from worker.engine.structured import apply_bitmask, fill_bitmask, start_bitmask
+from worker.engine.core.outputs import SampledToken, TopToken
+from worker.engine.core.request import Request
+from worker.engine.core.sampling_params import SamplingParams
+from worker.engine.grammar_matcher import apply_bitmask, fill_bitmask, start_bitmask
 
 _NEG_INF = float("-inf")
 _MIN_UNIFORM = 1e-20

@@ -1,0 +1,299 @@
+"""The API's Redis side of a job: admission (queue depth, per-key limit), enqueue with arq,
+records, and cancellation (compare-and-set for a job still queued)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Coroutine
+from typing import Any, get_args
+
+from arq.connections import ArqRedis
+from arq.constants import in_progress_key_prefix, job_key_prefix
+from redis.exceptions import RedisError
+
+from api.errors import APIError
+from api.keys.limits import Quota, RateLimiter
+from shared.config import Settings
+from shared.contracts import (
+    FINAL_STATUSES,
+    QUEUED_GRACE_S,
+    JobPayload,
+    JobRecord,
+    Lane,
+    TokenReservation,
+    cancelled_event,
+    encode_event,
+)
+from shared.keys import Keys
+from shared.queue import RUN_COMPLETION
+from shared.ratelimit import settle_lua
+
+log = logging.getLogger(__name__)
+
+# Marks a job cancelled only while its record still says queued: a worker that took it in
+# the meantime owns it from then on. Records are pydantic JSON (no spaces), so the status test
+# is a plain substring match (quotes inside strings are escaped and cannot match).
+_CANCEL_QUEUED = (
+    """
+local current = redis.call('GET', KEYS[1])
+if not current or not string.find(current, '"status":"queued"', 1, true) then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[3])
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'data', ARGV[2])
+redis.call('EXPIRE', KEYS[2], ARGV[3])
+if KEYS[3] ~= '' then redis.call('SREM', KEYS[3], ARGV[5]) end
+redis.call('ZREM', KEYS[4], ARGV[5])
+redis.call('DEL', KEYS[5])
+redis.call('EXPIRE', KEYS[6], ARGV[3])
+redis.call('EXPIRE', KEYS[7], ARGV[3])
+"""
+    + settle_lua(8, 6)
+    + """return 1
+"""
+)
+# Newest job ids kept per API key for `GET /v1/jobs` (the console's list); older ones drop.
+RECENT_JOBS_KEPT = 200
+# Queue entries looked at to tell running jobs from waiting ones (a console poll, 1/s).
+_QUEUE_SCAN = 2000
+
+
+def new_job_id() -> str:
+    """Unguessable: the id is the only secret needed to read a job when keys are off."""
+    return "job-" + secrets.token_urlsafe(16)
+
+
+class JobStore:
+    """Submit, read and cancel jobs."""
+
+    def __init__(
+        self, redis: ArqRedis, keys: Keys, settings: Settings, limiter: RateLimiter
+    ) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.settings = settings
+        self.limiter = limiter
+        self._cancel_queued = redis.register_script(_CANCEL_QUEUED)
+        self._background: set[asyncio.Task] = set()
+
+    async def queue_depth(self, model: str, lane: Lane = "interactive") -> int:
+        return int(await self.redis.zcard(self.keys.queue(model, lane)))
+
+    async def submit(self, payload: JobPayload, url: str, quota: Quota | None = None) -> JobRecord:
+        """Admit and enqueue; 429 (with Retry-After) when the key's rate limit, the queue or
+        the key's unfinished jobs are full. Admitted tokens are given back by the final write."""
+        reservation = await self.limiter.reserve(quota, payload) if quota else None
+        try:
+            await self._admit(payload)
+        except APIError:
+            await self.limiter.refund(reservation)
+            raise
+        try:
+            record, is_new = await self._enqueue(
+                payload, url, only_new=False, reservation=reservation
+            )
+        except (RedisError, OSError):
+            await self._undo(payload, reservation)
+            raise
+        if not is_new:
+            raise APIError(500, "Job id collision", error_type="server_error")
+        await self.redis.publish(self.keys.wake_channel, payload.id)
+        return record
+
+    async def _undo(self, payload: JobPayload, reservation: TokenReservation | None) -> None:
+        """Remove what a submission that failed half-way wrote (Redis refused a write at
+        maxmemory, or went away): DEL and SREM are allowed even when Redis is full."""
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.delete(self.keys.job(payload.id), self.keys.payload(payload.id))
+                if payload.api_key_id:
+                    pipe.srem(self.keys.key_jobs(payload.api_key_id), payload.id)
+                await pipe.execute()
+            await self.limiter.refund(reservation)
+        except (RedisError, OSError) as exc:
+            log.warning("could not undo a failed submission", extra={"error": repr(exc)})
+
+    async def submit_line(self, payload: JobPayload, url: str) -> None:
+        """Enqueue a batch line: no admission (its batch is the limit), and idempotent (the
+        id is derived from the batch's): a line submitted again changes nothing."""
+        await self._enqueue(payload, url, only_new=True)
+
+    async def _enqueue(
+        self,
+        payload: JobPayload,
+        url: str,
+        only_new: bool,
+        reservation: TokenReservation | None = None,
+    ) -> tuple[JobRecord, bool]:
+        """Write record and payload (with `only_new`, only where absent), then enqueue into
+        the model's queue for the job's lane; whether arq took it as a new job."""
+        record = JobRecord(
+            id=payload.id,
+            url=url,
+            model=payload.model,
+            lane=payload.lane,
+            api_key_id=payload.api_key_id,
+            request_id=payload.request_id,
+            created_at=payload.created,
+            reservation=reservation,
+        )
+        ttl = QUEUED_GRACE_S + self.settings.job_ttl_s
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.set(self.keys.job(payload.id), record.model_dump_json(), ex=ttl, nx=only_new)
+            pipe.set(self.keys.payload(payload.id), payload.model_dump_json(), ex=ttl, nx=only_new)
+            if not only_new:  # requests and jobs; batch lines are listed by their batch
+                recent = self.keys.recent_jobs(payload.api_key_id)
+                pipe.zadd(recent, {payload.id: payload.created})
+                pipe.zremrangebyrank(recent, 0, -RECENT_JOBS_KEPT - 1)
+                pipe.expire(recent, ttl)
+            await pipe.execute()
+        job = await self.redis.enqueue_job(
+            RUN_COMPLETION,
+            payload.model_dump_json(),
+            _job_id=payload.id,
+            _queue_name=self.keys.queue(payload.model, payload.lane),
+        )
+        return record, job is not None
+
+    async def cancel_queued(self, job_id: str) -> None:
+        """Cancel a job only if it is still queued (batch cancel): a running one finishes.
+        The cancel marker makes a worker that takes it meanwhile skip it."""
+        ttl = QUEUED_GRACE_S + self.settings.job_ttl_s
+        await self.redis.set(self.keys.cancelled(job_id), "1", ex=ttl)
+        record = await self.get(job_id)
+        if record is not None and record.status == "queued":
+            await self._try_cancel_queued(record)
+
+    async def _admit(self, payload: JobPayload) -> None:
+        if await self.queue_depth(payload.model) >= self.settings.max_queue_depth:
+            raise APIError(
+                429,
+                "The queue is full; retry later",
+                code="queue_full",
+                headers={"Retry-After": "2"},
+            )
+        if payload.api_key_id:
+            await self._admit_key(payload.api_key_id, payload.id)
+
+    async def _admit_key(self, key_id: str, job_id: str) -> None:
+        key = self.keys.key_jobs(key_id)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.sadd(key, job_id)
+            pipe.scard(key)
+            pipe.expire(key, QUEUED_GRACE_S)
+            _, count, _ = await pipe.execute()
+        if count > self.settings.per_key_max_concurrent_jobs:
+            await self.redis.srem(key, job_id)
+            raise APIError(
+                429,
+                f"Too many unfinished jobs for this API key "
+                f"(limit {self.settings.per_key_max_concurrent_jobs})",
+                code="too_many_jobs",
+                headers={"Retry-After": "1"},
+            )
+
+    async def get(self, job_id: str) -> JobRecord | None:
+        raw = await self.redis.get(self.keys.job(job_id))
+        return JobRecord.model_validate_json(raw) if raw else None
+
+    async def get_owned(self, job_id: str, api_key_id: str | None) -> JobRecord:
+        """The record, or 404 when it does not exist or belongs to another key."""
+        record = await self.get(job_id)
+        if record is None or record.api_key_id != api_key_id:
+            raise APIError(404, f"No job with id '{job_id}'", param="job_id", code="job_not_found")
+        return record
+
+    async def recent(self, api_key_id: str | None, limit: int) -> list[JobRecord]:
+        """The key's newest jobs, newest first; ids whose records expired are dropped."""
+        key = self.keys.recent_jobs(api_key_id)
+        ids = [i.decode() for i in await self.redis.zrevrange(key, 0, limit - 1)]
+        raws = await self.redis.mget([self.keys.job(i) for i in ids]) if ids else []
+        gone = [job_id for job_id, raw in zip(ids, raws, strict=True) if raw is None]
+        if gone:
+            await self.redis.zrem(key, *gone)
+        return [JobRecord.model_validate_json(raw) for raw in raws if raw is not None]
+
+    async def queue_depths(self, models: list[str]) -> list[dict[str, Any]]:
+        """Jobs waiting and running in each model's queue per lane (arq keeps a running job
+        in its queue until it ends: its in-progress key tells them apart)."""
+        return [await self._queue_depth(model, lane) for model in models for lane in get_args(Lane)]
+
+    async def _queue_depth(self, model: str, lane: str) -> dict[str, Any]:
+        queue = self.keys.queue(model, lane)
+        ids = await self.redis.zrange(queue, 0, _QUEUE_SCAN - 1)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zcard(queue)
+            for job_id in ids:
+                pipe.exists(in_progress_key_prefix + job_id.decode())
+            total, *running = await pipe.execute()
+        num_running = sum(running)
+        return {
+            "model": model,
+            "lane": lane,
+            "waiting": total - num_running,
+            "running": num_running,
+        }
+
+    async def payload(self, job_id: str) -> JobPayload | None:
+        raw = await self.redis.get(self.keys.payload(job_id))
+        return JobPayload.model_validate_json(raw) if raw else None
+
+    async def cancel(self, job_id: str) -> JobRecord | None:
+        """Cancel: a queued job is finalised here; a running one is told to stop."""
+        ttl = self.settings.job_ttl_s
+        await self.redis.set(self.keys.cancelled(job_id), "1", ex=QUEUED_GRACE_S + ttl)
+        record = await self.get(job_id)
+        if record is None or record.status in FINAL_STATUSES:
+            await self.redis.expire(self.keys.cancelled(job_id), ttl)  # no job left to stop
+            return record
+        if record.status == "queued" and await self._try_cancel_queued(record):
+            return record
+        await self.redis.publish(self.keys.cancel_channel, job_id)
+        return await self.get(job_id)
+
+    async def _try_cancel_queued(self, record: JobRecord) -> bool:
+        event = cancelled_event()
+        record.status, record.error, record.finished_at = "cancelled", event, time.time()
+        reserved = record.reservation
+        key_jobs = self.keys.key_jobs(record.api_key_id) if record.api_key_id else ""
+        done = await self._cancel_queued(
+            keys=[
+                self.keys.job(record.id),
+                self.keys.stream(record.id),
+                key_jobs,
+                self.keys.queue(record.model, record.lane),
+                job_key_prefix + record.id,
+                self.keys.payload(record.id),
+                self.keys.cancelled(record.id),
+                self.keys.rate_tokens(reserved.bucket) if reserved else "",
+            ],
+            args=[
+                record.model_dump_json(),
+                encode_event(event),
+                self.settings.job_ttl_s,
+                self.settings.stream_maxlen,
+                record.id,
+                reserved.second if reserved else 0,
+                reserved.tokens if reserved else 0,  # it never ran: all of it back
+            ],
+        )
+        return bool(done)
+
+    def cancel_soon(self, job_id: str) -> None:
+        """Cancel from a place that may itself be cancelled (a disconnected client)."""
+        self.spawn(self.cancel(job_id))
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("background job operation failed", extra={"error": repr(task.exception())})
+
+    async def drain(self) -> None:
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=5)

@@ -1,0 +1,5 @@
+"""`python -m ladle`: the `ladle` command."""
+
+from ladle.cli import main
+
+raise SystemExit(main())
