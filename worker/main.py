@@ -7,12 +7,10 @@ import asyncio
 import logging
 
 from shared.config import settings_with
+from shared.errors import EXIT_CONFIG_ERROR
 from shared.logging import setup_logging
 from worker.models.errors import ModelConfigError
 from worker.process import WorkerProcess
-
-# sysexits' EX_CONFIG: the model cannot be served as configured, so restarting cannot help
-EXIT_CONFIG_ERROR = 78
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,7 +1,7 @@
 """Every family beyond Llama's through the whole engine, token for token against transformers
 in float32: chunked prefill and decode in a mixed batch, a prefix-cache hit, preemption.
 
-The tiny configs (tests/engine/tiny_models.py) have windows of 8 and prompts up to 40 tokens,
+The tiny configs (tests/support/tiny_models.py) have windows of 8 and prompts up to 40 tokens,
 so sliding-window layers, soft-caps, MoE routing and LongRoPE all act."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine.conftest import add_tiny_tokenizer, make_engine
 from tests.engine.test_engine import GREEDY, hf_greedy, random_prompts, token_ids
-from tests.engine.tiny_models import tiny_model_dir
+from tests.support.engines import add_tiny_tokenizer, make_engine
+from tests.support.tiny_models import tiny_model_dir
 from worker.engine.engine import LLMEngine
 from worker.engine.offline import LLM
 
@@ -74,7 +74,7 @@ def test_longrope_takes_the_long_factors_from_the_original_length_on() -> None:
     import torch
     from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
-    from tests.engine.tiny_models import tiny_config
+    from tests.support.tiny_models import tiny_config
     from worker.layers.rotary import RotaryEmbedding, rope_parameters
 
     config = tiny_config("phi3")
