@@ -102,6 +102,15 @@ def test_gguf_names_and_unpermute():
     assert hf_name("token_embd.weight") == "model.embed_tokens.weight"
     assert hf_name("blk.3.attn_k.bias") == "model.layers.3.self_attn.k_proj.bias"
     assert hf_name("blk.0.ffn_norm.weight") == "model.layers.0.post_attention_layernorm.weight"
+    # Gemma's sandwich norms have names of their own; ffn_norm is the one before the MLP
+    gemma = {
+        "blk.2.ffn_norm.weight": "model.layers.2.pre_feedforward_layernorm.weight",
+        "blk.2.post_attention_norm.weight": "model.layers.2.post_attention_layernorm.weight",
+        "blk.2.post_ffw_norm.weight": "model.layers.2.post_feedforward_layernorm.weight",
+        "blk.2.attn_q_norm.weight": "model.layers.2.self_attn.q_norm.weight",
+    }
+    for gguf_name, expected in gemma.items():
+        assert hf_name(gguf_name, "gemma3_text") == expected
     with pytest.raises(ValueError, match="unknown GGUF tensor"):
         hf_name("blk.0.ssm_conv.weight")
     num_heads, head_dim = 3, 8
