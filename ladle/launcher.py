@@ -30,6 +30,7 @@ from ladle.supervisor import (
     describe_exit,
 )
 from shared.config import Settings
+from shared.errors import EXIT_CONFIG_ERROR
 from shared.keys import Keys
 from shared.logging import setup_logging
 from shared.metrics import SupervisorMetrics
@@ -216,13 +217,19 @@ def supervise(
     poll_s: float = 0.25,
     on_tick: Callable[[], None] = lambda: None,
 ) -> int:
-    """Keep the children running until a signal (0). Exits early (1) only when every child
-    has crash-looped and been given up: there is nothing left to supervise."""
+    """Keep the children running until a signal (0). Exits early when a child refused its
+    configuration (EXIT_CONFIG_ERROR: a restart cannot help, and serving without it would
+    answer 503 forever), or (1) when every child has crash-looped and been given up."""
     started = time.monotonic()
     is_ready, warned, next_note = False, False, started + 15.0
     while not latch.count:
         sup.check()
         on_tick()
+        refused = sup.refused()
+        if refused:
+            names = ", ".join(child.name for child in refused)
+            logger.error("stopping: %s cannot start as configured (see its error above)", names)
+            return EXIT_CONFIG_ERROR
         if sup.all_given_up():
             logger.error("every process crash-looped and was given up; exiting")
             return 1

@@ -22,6 +22,7 @@ import redis
 
 from shared.config import Settings
 from shared.contracts import ChildState, ChildStatus, SupervisorRecord
+from shared.errors import EXIT_CONFIG_ERROR
 from shared.keys import Keys
 from shared.redis_url import sync_client
 
@@ -76,6 +77,7 @@ class Child:
     restart_at: float = 0.0
     last_exit: str | None = None
     message: str | None = None
+    refused: bool = False  # exited with EXIT_CONFIG_ERROR: never restarted
 
     @property
     def name(self) -> str:
@@ -145,6 +147,14 @@ class Supervisor:
     def _on_exit(self, child: Child, now: float) -> None:
         assert child.proc is not None
         child.last_exit = describe_exit(child.proc.returncode)
+        if child.proc.returncode == EXIT_CONFIG_ERROR:  # restarting cannot help
+            child.state, child.proc, child.refused = "given_up", None, True
+            child.message = (
+                f"{child.name} refused its configuration (exit {EXIT_CONFIG_ERROR}); "
+                "its last log line says why"
+            )
+            logger.error("%s", child.message)
+            return
         uptime = now - child.started_at
         child.crashes.append(now)
         while child.crashes and child.crashes[0] <= now - self.policy.window_s:
@@ -172,6 +182,10 @@ class Supervisor:
             self.policy.max_crashes - 1,
             window,
         )
+
+    def refused(self) -> list[Child]:
+        """Children that exited with a configuration error (never restarted)."""
+        return [child for child in self.children if child.refused]
 
     def all_given_up(self) -> bool:
         return all(child.state == "given_up" for child in self.children)

@@ -6,6 +6,10 @@ engine raises them for requests that reach it otherwise (offline use, a changed 
 
 from __future__ import annotations
 
+# A process's exit status for "cannot run as configured" (sysexits' EX_CONFIG): a worker whose
+# model cannot be served exits with it, and `ladle up` stops rather than restart it.
+EXIT_CONFIG_ERROR = 78
+
 
 class InvalidRequestError(ValueError):
     """The request cannot run as given (HTTP 400, OpenAI invalid_request_error)."""

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 
 from shared.config import settings_with
+from shared.errors import EXIT_CONFIG_ERROR
 from shared.logging import setup_logging
+from worker.models.errors import ModelConfigError
 from worker.process import WorkerProcess
 
 
@@ -37,5 +40,9 @@ def main(argv: list[str] | None = None) -> int:
         worker_metrics_port=args.metrics_port,
     )
     setup_logging(settings.log_level)
-    asyncio.run(WorkerProcess(settings).run())
+    try:
+        asyncio.run(WorkerProcess(settings).run())
+    except ModelConfigError as exc:  # one line, no traceback: the reason is the message
+        logging.getLogger("worker").error("refused to serve %s: %s", settings.model_name, exc)
+        return EXIT_CONFIG_ERROR
     return 0

@@ -65,9 +65,12 @@ def test_missing_weight_is_an_error(tmp_path):
         load_model(str(model_dir), dtype="float32", device="cpu")
 
 
-def test_sliding_window_caps_max_model_len(tmp_path):
+def test_sliding_window_no_longer_caps_max_model_len(tmp_path):
+    # windowed layers mask exactly (tests/engine/test_families.py), so the full context serves
     model_dir = tiny_model_dir("mistral", tmp_path, sliding_window=128)
-    assert load_model(str(model_dir), dtype="float32", device="cpu").max_model_len == 128
+    loaded = load_model(str(model_dir), dtype="float32", device="cpu")
+    assert loaded.max_model_len == 512
+    assert {layer.self_attn.attn.sliding_window for layer in loaded.model.model.layers} == {128}
 
 
 def test_dtype_auto(monkeypatch):
@@ -99,6 +102,15 @@ def test_gguf_names_and_unpermute():
     assert hf_name("token_embd.weight") == "model.embed_tokens.weight"
     assert hf_name("blk.3.attn_k.bias") == "model.layers.3.self_attn.k_proj.bias"
     assert hf_name("blk.0.ffn_norm.weight") == "model.layers.0.post_attention_layernorm.weight"
+    # Gemma's sandwich norms have names of their own; ffn_norm is the one before the MLP
+    gemma = {
+        "blk.2.ffn_norm.weight": "model.layers.2.pre_feedforward_layernorm.weight",
+        "blk.2.post_attention_norm.weight": "model.layers.2.post_attention_layernorm.weight",
+        "blk.2.post_ffw_norm.weight": "model.layers.2.post_feedforward_layernorm.weight",
+        "blk.2.attn_q_norm.weight": "model.layers.2.self_attn.q_norm.weight",
+    }
+    for gguf_name, expected in gemma.items():
+        assert hf_name(gguf_name, "gemma3_text") == expected
     with pytest.raises(ValueError, match="unknown GGUF tensor"):
         hf_name("blk.0.ssm_conv.weight")
     num_heads, head_dim = 3, 8
@@ -180,3 +192,35 @@ def test_smollm_first_step_logits_match_transformers(smollm_cache, transformers_
         expected = transformers_smollm(torch.tensor([prompt])).logits[0, -1]
     torch.testing.assert_close(logits, expected, atol=2e-3, rtol=0)
     assert int(logits.argmax()) == int(expected.argmax())
+
+
+def test_remote_code_checkpoint_is_refused_in_one_line(tmp_path):
+    from worker.models.errors import ModelConfigError
+
+    model_dir = tiny_model_dir("llama", tmp_path)
+    config = json.loads((model_dir / "config.json").read_text())
+    config.update(
+        architectures=["FancyForCausalLM"],
+        model_type="fancy",
+        auto_map={"AutoModelForCausalLM": "modeling_fancy.FancyForCausalLM"},
+    )
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelConfigError) as error:
+        load_model(str(model_dir), dtype="float32", device="cpu")
+    message = str(error.value)
+    assert "remote code" in message and "FancyForCausalLM" in message and "\n" not in message
+
+
+def test_worker_exits_with_a_config_error_and_one_line(tmp_path, monkeypatch, caplog):
+    from worker import main as worker_main
+    from worker.models.errors import ModelConfigError
+
+    async def refuse(self) -> None:
+        raise ModelConfigError("unsupported model architecture GPT2LMHeadModel; supported: ...")
+
+    monkeypatch.setattr(worker_main.WorkerProcess, "run", refuse)
+    monkeypatch.setattr(worker_main, "setup_logging", lambda level: None)
+    with caplog.at_level("ERROR"):
+        assert worker_main.main(["--model", str(tmp_path)]) == worker_main.EXIT_CONFIG_ERROR
+    lines = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(lines) == 1 and "GPT2LMHeadModel" in lines[0] and "\n" not in lines[0]

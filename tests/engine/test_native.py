@@ -21,7 +21,7 @@ from worker.engine.core.sampling_params import SamplingParams
 from worker.engine.model_runner import ModelRunner
 from worker.layers import native
 from worker.layers.activation import SiluAndMul
-from worker.layers.attention import _decode_eager
+from worker.layers.attention import AttentionOptions, _decode_eager
 from worker.layers.context import AttentionMetadata
 from worker.layers.linear_kernels import build_kernel
 from worker.layers.norm import RMSNorm
@@ -156,8 +156,39 @@ def test_paged_decode_matches_eager_attention(heads, kv_heads, head_dim):
             got[row].float(), expected.reshape(heads, head_dim), rtol=2**-7, atol=2e-2
         )
     # and the eager path (bf16 scores, so looser) agrees too
-    eager = _decode_eager(q, k_cache, v_cache, meta, scale)
+    eager = _decode_eager(q, k_cache, v_cache, meta, AttentionOptions(scale))
     torch.testing.assert_close(got.float(), eager.float(), rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 37])
+def test_paged_decode_with_a_window_matches_eager_attention(window):
+    q, k_cache, v_cache, meta = _decode_case(7, 8, 2, 64, seed=window)
+    options = AttentionOptions(0.125, window=window)
+    got = native.attention_rows(
+        q,
+        k_cache,
+        v_cache,
+        meta.decode_block_tables,
+        meta.decode_context_lens,
+        options.scale,
+        meta.decode_starts(window),
+    )
+    eager = _decode_eager(q, k_cache, v_cache, meta, options)
+    torch.testing.assert_close(got.float(), eager.float(), rtol=0.05, atol=0.05)
+    # a row with a window equals the same row over only its last `window` keys, bit for bit
+    row, length = 3, int(meta.decode_context_lens[3])
+    start = max(0, length - window)
+    table = meta.decode_block_tables[row : row + 1]
+    alone = native.attention_rows(
+        q[row : row + 1],
+        k_cache,
+        v_cache,
+        table,
+        torch.tensor([length]),
+        0.125,
+        torch.tensor([start]),
+    )
+    assert torch.equal(alone[0], got[row])
 
 
 def test_paged_decode_refuses_a_table_too_short():

@@ -14,7 +14,19 @@ from worker.engine.core.outputs import SampledToken, ScheduledChunk, SchedulerOu
 from worker.engine.core.request import Request
 from worker.engine.core.sampling_params import SamplingParams
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+FAMILIES = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "gemma2",
+    "gemma3",
+    "phi3",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "olmoe",
+)
 
 _COMMON = dict(
     vocab_size=256,
@@ -30,26 +42,83 @@ _COMMON = dict(
     pad_token_id=0,
 )
 
+# Small windows and soft-caps, so that the tests' prompts (up to 40 tokens) reach past them.
+_GEMMA = dict(
+    head_dim=16, query_pre_attn_scalar=16, sliding_window=8, hidden_activation="gelu_pytorch_tanh"
+)
+_EXTRA: dict[str, dict[str, Any]] = {
+    "llama": {"tie_word_embeddings": True},
+    "qwen2": {"tie_word_embeddings": False},
+    "qwen3": {"head_dim": 32, "tie_word_embeddings": True},
+    "mistral": {"sliding_window": None, "tie_word_embeddings": False},
+    "gemma2": {**_GEMMA, "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0},
+    "gemma3": {
+        **_GEMMA,
+        "num_hidden_layers": 3,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+        },
+    },
+    "phi3": {
+        "original_max_position_embeddings": 128,  # the tests' sequences stay within it
+        "partial_rotary_factor": 0.5,  # Phi-4-mini rotates part of each head
+        "rope_scaling": {
+            "type": "longrope",
+            "short_factor": [1.0, 1.1, 1.3, 1.6],
+            "long_factor": [1.5, 2.0, 3.0, 4.0],
+        },
+        "tie_word_embeddings": False,
+    },
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
+    "qwen2_moe": {
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48,
+        "mlp_only_layers": [1],
+        "tie_word_embeddings": False,
+    },
+    "qwen3_moe": {
+        "head_dim": 32,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "norm_topk_prob": True,
+        "tie_word_embeddings": False,
+    },
+    "olmoe": {"num_experts": 4, "num_experts_per_tok": 2, "clip_qkv": 0.5},
+}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
+}
+
+
+def _config_class(family: str) -> Any:
+    import transformers
+
+    name = {"gemma3": "Gemma3TextConfig"}.get(family)
+    if name is None:
+        name = ARCHITECTURES[family].replace("ForCausalLM", "Config")
+    return getattr(transformers, name)
+
 
 def tiny_config(family: str, **overrides: Any) -> Any:
-    """A transformers config for a 2-layer, hidden-64 model of `family`."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
-
-    classes = {
-        "llama": LlamaConfig,
-        "qwen2": Qwen2Config,
-        "qwen3": Qwen3Config,
-        "mistral": MistralConfig,
-    }
-    extra: dict[str, Any] = {
-        "llama": {"tie_word_embeddings": True},
-        "qwen2": {"tie_word_embeddings": False},
-        "qwen3": {"head_dim": 32, "tie_word_embeddings": True},
-        "mistral": {"sliding_window": None, "tie_word_embeddings": False},
-    }[family]
-    kwargs = {**_COMMON, **extra, **overrides}
-    config = classes[family](**kwargs)
-    config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
+    """A transformers config for a 2-layer (Gemma 3: 3), hidden-64 model of `family`."""
+    kwargs = {**_COMMON, **_EXTRA[family], **overrides}
+    config = _config_class(family)(**kwargs)
+    config.architectures = [ARCHITECTURES[family]]
     return config
 
 

@@ -16,6 +16,7 @@ import redis
 from ladle import launcher
 from ladle.supervisor import ChildSpec, RestartPolicy, StatusPublisher, Supervisor
 from shared.contracts import SupervisorRecord
+from shared.errors import EXIT_CONFIG_ERROR
 from shared.keys import Keys
 from tests.unit.api_harness import REDIS_URL, harness
 
@@ -103,6 +104,26 @@ def test_supervise_exits_1_only_when_everything_gave_up() -> None:
     with launcher.SignalLatch() as latch:
         code = launcher.supervise(sup, latch, "http://127.0.0.1:9/ready", 30, lambda: None, 0.01)
     assert code == 1 and sup.all_given_up()
+
+
+def test_a_configuration_error_is_not_retried_and_stops_supervise(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    refusing = _py("worker-0", f"raise SystemExit({EXIT_CONFIG_ERROR})")
+    sup = Supervisor([_py("api", SLEEPER), refusing], FAST)
+    caplog.set_level(logging.INFO)
+    sup.start()
+    try:
+        with launcher.SignalLatch() as latch:
+            code = launcher.supervise(
+                sup, latch, "http://127.0.0.1:9/ready", 30, lambda: None, 0.01
+            )
+    finally:
+        sup.stop(5)
+    worker = sup.children[1]
+    assert code == EXIT_CONFIG_ERROR and worker.restarts == 0 and worker.refused
+    assert "refused its configuration" in (worker.message or "")
+    assert any("stopping: worker-0" in r.getMessage() for r in caplog.records)
 
 
 def test_supervise_runs_until_a_signal_through_crashes_and_a_readiness_timeout() -> None:

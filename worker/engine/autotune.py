@@ -159,8 +159,10 @@ def measure_plan(
     plan = KernelPlan(kernels={group: {} for group in times}, invariant=invariant)
     chosen: dict[str, dict[int, dict[str, float]]] = {group: {} for group in times}
     for bucket in buckets:
-        options = [t for t in thread_options if (bucket, t) in next(iter(times.values()), {})]
-        total = {t: sum(min(by[(bucket, t)].values()) for by in times.values()) for t in options}
+        # groups no kernel applies to (an MoE router of 4 outputs) have no times: left out
+        timed = [by for by in times.values() if by]
+        options = [t for t in thread_options if timed and (bucket, t) in timed[0]]
+        total = {t: sum(min(by[(bucket, t)].values()) for by in timed) for t in options}
         threads = min(total, key=total.__getitem__) if total else max_threads
         if bucket < PREFILL_BUCKET:
             plan.threads[str(bucket)] = threads

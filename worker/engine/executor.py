@@ -189,7 +189,7 @@ def _not_deterministic(config: EngineConfig, executor: TorchExecutor, device: st
     if not executor.kernel_plan.invariant:
         return "a linear layer has no batch-invariant kernel (LLM_LINEAR_KERNEL or its shape)"
     if not executor.runner.row_attention:
-        return "attention shape not served by the native row kernel"
+        return "attention not served by the native row kernel (head shape, or soft-capped scores)"
     return ""
 
 

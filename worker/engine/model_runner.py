@@ -86,7 +86,8 @@ class ModelRunner:
         )
         self.forward = self.compiled or self.model
         self.graphs: DecodeGraphs | None = None
-        if cuda_graphs and self.device.type == "cuda":
+        # a sliding window's decode mask is built from context lengths a graph does not have
+        if cuda_graphs and self.device.type == "cuda" and not _has_windows(self.model):
             self.graphs = DecodeGraphs(
                 self.model,
                 block_size,
@@ -152,3 +153,9 @@ class ModelRunner:
 def _rows_supported(model: torch.nn.Module) -> bool:
     layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
     return bool(layers) and all(layer.native_rows for layer in layers)
+
+
+def _has_windows(model: torch.nn.Module) -> bool:
+    return any(
+        isinstance(m, PagedAttention) and m.sliding_window is not None for m in model.modules()
+    )

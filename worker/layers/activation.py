@@ -1,4 +1,4 @@
-"""Activations for gated MLPs."""
+"""Activations for gated MLPs: act(gate) * up over the fused [gate | up] projection."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from torch import nn
 
 
 class SiluAndMul(nn.Module):
-    """silu(gate) * up for the fused [gate | up] projection output."""
+    """silu(gate) * up (SwiGLU)."""
 
     native = False  # `ladle_native.silu_mul_bf16`, chosen at load (`use_native`)
 
@@ -20,3 +20,28 @@ class SiluAndMul(nn.Module):
             return torch.ops.ladle_native.silu_mul_bf16(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class GeluTanhAndMul(nn.Module):
+    """gelu(gate, tanh approximation) * up (GeGLU, Gemma's `gelu_pytorch_tanh`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+
+GATED_ACTIVATIONS: dict[str, type[nn.Module]] = {
+    "silu": SiluAndMul,
+    "swish": SiluAndMul,
+    "gelu_pytorch_tanh": GeluTanhAndMul,
+    "gelu_tanh": GeluTanhAndMul,
+}
+
+
+def gated_activation(name: str) -> nn.Module:
+    """The gated activation for a config's `hidden_act` / `hidden_activation`."""
+    if name not in GATED_ACTIVATIONS:
+        raise ValueError(
+            f"activation {name!r} is not supported (supported: {', '.join(GATED_ACTIVATIONS)})"
+        )
+    return GATED_ACTIVATIONS[name]()

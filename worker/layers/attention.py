@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,14 +20,26 @@ class PagedAttention(nn.Module):
     batched matmuls and SDPA want ([heads, tokens, head_dim]): no relayout of the context.
     The runner binds `k_cache` and `v_cache` after allocating them. Inputs are flat:
     q [T, num_heads, head_dim], k and v [T, num_kv_heads, head_dim]; out like q.
+    `sliding_window`: a query sees only its last that many positions (itself included, as
+    HF masks them); `softcap`: scores become `softcap * tanh(scores / softcap)` (Gemma 2).
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+    ) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.sliding_window = sliding_window
+        self.softcap = softcap
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         self.native_rows = False  # rows on the native kernel: chosen at `bind`
@@ -36,7 +50,8 @@ class PagedAttention(nn.Module):
         """Attend over (and write into) these caches from now on, on the native kernel where
         it serves them (chosen here, once)."""
         self.k_cache, self.v_cache = k_cache, v_cache
-        self.native_rows = rows_supported(k_cache, self.num_heads)
+        # the native row kernel takes a window as each row's first position; not soft-capping
+        self.native_rows = self.softcap is None and rows_supported(k_cache, self.num_heads)
         self.layer_id = torch.tensor(handle_of(self))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -44,7 +59,20 @@ class PagedAttention(nn.Module):
             return torch.ops.ladle.paged_attention(q, k, v, self.layer_id)
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("KV cache not bound to the attention layer")
-        return paged_attention(q, k, v, self.k_cache, self.v_cache, self.scale, self.native_rows)
+        return paged_attention(q, k, v, self.k_cache, self.v_cache, self.options())
+
+    def options(self) -> AttentionOptions:
+        return AttentionOptions(self.scale, self.native_rows, self.sliding_window, self.softcap)
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """How one layer attends: query scale, native rows or eager, window, soft-cap."""
+
+    scale: float
+    native_rows: bool = False
+    window: int | None = None
+    softcap: float | None = None
 
 
 def paged_attention(
@@ -53,8 +81,7 @@ def paged_attention(
     v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    scale: float,
-    native_rows: bool = False,
+    options: AttentionOptions,
 ) -> torch.Tensor:
     """Write this step's k/v into the caches, then attend; metadata from the step context.
 
@@ -66,20 +93,20 @@ def paged_attention(
     # [Hkv, num_blocks * block_size, hd]: slot s of every head
     k_slots = k_cache.view(num_kv_heads, -1, head_dim)
     v_slots = v_cache.view(num_kv_heads, -1, head_dim)
-    if native_rows and k_cache.dtype == torch.bfloat16:
+    if options.native_rows and k_cache.dtype == torch.bfloat16:
         torch.ops.ladle_native.write_kv_bf16(k, v, k_cache, v_cache, meta.slot_mapping)
     else:
         k_slots.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
         v_slots.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
     num_decode = meta.num_decode_tokens
     if num_decode == q.shape[0]:  # a decode-only step: no output buffer, no copy
-        return _decode(q, k_cache, v_cache, meta, scale, native_rows)
+        return _decode(q, k_cache, v_cache, meta, options)
     out = q.new_empty(q.shape)
     if num_decode:
-        out[:num_decode] = _decode(q[:num_decode], k_cache, v_cache, meta, scale, native_rows)
+        out[:num_decode] = _decode(q[:num_decode], k_cache, v_cache, meta, options)
     for chunk in meta.prefills:
         rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
-        out[rows] = _prefill(q[rows], k[rows], v[rows], k_slots, v_slots, chunk, scale)
+        out[rows] = _prefill(q[rows], k[rows], v[rows], k_slots, v_slots, chunk, options)
     return out
 
 
@@ -95,7 +122,7 @@ def paged_attention_op(
     data order, so hiding the write from the compiler is safe.
     """
     layer = resolve(int(handle))
-    return paged_attention(q, k, v, layer.k_cache, layer.v_cache, layer.scale, layer.native_rows)
+    return paged_attention(q, k, v, layer.k_cache, layer.v_cache, layer.options())
 
 
 @paged_attention_op.register_fake
@@ -135,17 +162,22 @@ def _decode(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
-    scale: float,
-    native_rows: bool,
+    options: AttentionOptions,
 ) -> torch.Tensor:
     """Rows against their cached keys: the native kernel where it serves, else eager."""
-    if meta.decode_context_lens is not None and native_rows:
-        return torch.ops.ladle_native.paged_attention_rows(
-            q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
+    if meta.decode_context_lens is not None and options.native_rows:
+        return native.attention_rows(
+            q,
+            k_cache,
+            v_cache,
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+            options.scale,
+            meta.decode_starts(options.window),
         )
     if meta.decode_mask is None:
         raise RuntimeError("rows without a mask need the native attention kernel")
-    return _decode_eager(q, k_cache, v_cache, meta, scale)
+    return _decode_eager(q, k_cache, v_cache, meta, options)
 
 
 def _decode_eager(
@@ -153,7 +185,7 @@ def _decode_eager(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
-    scale: float,
+    options: AttentionOptions,
 ) -> torch.Tensor:
     """One query per sequence against its cached keys, as two batched matmuls.
 
@@ -174,11 +206,19 @@ def _decode_eager(
     # [D, Hkv * G, hd] -> [Hkv * D, G, hd] (a small copy: one row per sequence)
     q = q.reshape(num_seqs, hkv, group, -1).transpose(0, 1).reshape(hkv * num_seqs, group, -1)
     scores = torch.bmm(q, k.transpose(1, 2)).view(hkv, num_seqs, group, length)
-    # mask [D, 1, L] + scale * scores, in float32
-    scores = torch.add(meta.decode_mask, scores, alpha=scale)
+    mask = meta.decode_mask_for(options.window)
+    if options.softcap is None:  # mask [D, 1, L] + scale * scores, in float32
+        scores = torch.add(mask, scores, alpha=options.scale)
+    else:
+        scores = _softcapped(scores * options.scale, options.softcap) + mask
     probs = scores.softmax(dim=-1).to(v.dtype).view(hkv * num_seqs, group, length)
     out = torch.bmm(probs, v).view(hkv, num_seqs, group, -1)
     return out.transpose(0, 1).reshape(num_seqs, num_heads, -1).contiguous()
+
+
+def _softcapped(scores: torch.Tensor, softcap: float) -> torch.Tensor:
+    # HF's order: divide, tanh, multiply
+    return torch.tanh(scores / softcap) * softcap
 
 
 def _prefill(
@@ -188,18 +228,39 @@ def _prefill(
     k_slots: torch.Tensor,
     v_slots: torch.Tensor,
     chunk: PrefillChunkMeta,
-    scale: float,
+    options: AttentionOptions,
 ) -> torch.Tensor:
+    """One chunk's queries against itself (a fresh prompt) or its cached context."""
     if chunk.context_slots is None:
-        out = _sdpa(
-            q.transpose(0, 1)[None],
-            k.transpose(0, 1)[None],
-            v.transpose(0, 1)[None],
-            scale,
-            is_causal=True,
-        )
+        keys, values = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     else:
-        k_ctx = k_slots.index_select(1, chunk.context_slots)[None]
-        v_ctx = v_slots.index_select(1, chunk.context_slots)[None]
-        out = _sdpa(q.transpose(0, 1)[None], k_ctx, v_ctx, scale, attn_mask=chunk.mask)
+        keys = k_slots.index_select(1, chunk.context_slots)[None]
+        values = v_slots.index_select(1, chunk.context_slots)[None]
+    queries = q.transpose(0, 1)[None]
+    mask = chunk.mask_for(options.window, q.device)
+    if options.softcap is not None:
+        if mask is None:
+            mask = torch.ones(q.shape[0], q.shape[0], dtype=torch.bool, device=q.device).tril_()
+        out = _eager_attention(queries, keys, values, mask, options)
+    elif mask is None:
+        out = _sdpa(queries, keys, values, options.scale, is_causal=True)
+    else:
+        out = _sdpa(queries, keys, values, options.scale, attn_mask=mask)
     return out[0].transpose(0, 1)
+
+
+def _eager_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    options: AttentionOptions,
+) -> torch.Tensor:
+    """Attention with soft-capped scores (SDPA has no soft-cap): q [1, H, L, D], k/v
+    [1, Hkv, S, D], mask [L, S] (True = attend)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = _softcapped(torch.matmul(q, k.transpose(2, 3)) * options.scale, options.softcap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)

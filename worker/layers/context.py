@@ -24,6 +24,21 @@ class PrefillChunkMeta:
     start_position: int
     context_slots: torch.Tensor | None = None
     mask: torch.Tensor | None = None
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def mask_for(self, window: int | None, device: torch.device) -> torch.Tensor | None:
+        """The boolean key mask for a layer that sees only the last `window` positions
+        (None: `mask`, absent for a chunk attending causally to itself alone). Built once
+        per step and window; keys are positions [0, start_position + num_tokens)."""
+        if window is None:
+            return self.mask
+        if window not in self.window_masks:
+            end = self.start_position + self.num_tokens
+            keys = torch.arange(end)[None, :]
+            queries = torch.arange(self.start_position, end)[:, None]
+            mask = (keys <= queries) & (keys > queries - window)
+            self.window_masks[window] = mask.to(device)
+        return self.window_masks[window]
 
 
 @dataclass
@@ -43,6 +58,27 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None
     decode_context_lens: torch.Tensor | None = None
     prefills: list[PrefillChunkMeta] = field(default_factory=list)
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def decode_mask_for(self, window: int | None) -> torch.Tensor | None:
+        """`decode_mask` with the keys before each row's last `window` positions masked
+        too (a sliding-window layer); built once per step and window."""
+        if window is None or self.decode_mask is None:
+            return self.decode_mask
+        if window not in self.window_masks:
+            if self.decode_context_lens is None:
+                raise RuntimeError("a sliding window needs the decode rows' context lengths")
+            lens = self.decode_context_lens.to(self.decode_mask.device)
+            keys = torch.arange(self.decode_mask.shape[-1], device=lens.device)
+            early = keys[None, :] < (lens[:, None] - window)
+            self.window_masks[window] = self.decode_mask.masked_fill(early[:, None], float("-inf"))
+        return self.window_masks[window]
+
+    def decode_starts(self, window: int | None) -> torch.Tensor | None:
+        """Each decode row's first visible position under `window` (None: all from 0)."""
+        if window is None or self.decode_context_lens is None:
+            return None
+        return (self.decode_context_lens - window).clamp_(min=0)
 
 
 _CURRENT: AttentionMetadata | None = None

@@ -118,11 +118,17 @@ class PackedLinear(Linear):
         param.data[start : start + size].copy_(tensor)
 
 
-def quantize_linears(model: nn.Module, mode: str, keep: tuple[str, ...] = ("lm_head",)) -> int:
+ROUTERS = ("gate", "shared_expert_gate")  # MoE routers: tiny, and they pick the experts
+
+
+def quantize_linears(
+    model: nn.Module, mode: str, keep: tuple[str, ...] = ("lm_head", *ROUTERS)
+) -> int:
     """Quantize every `Linear` of `model` but those named in `keep`; returns how many were.
 
     The lm_head stays in the model dtype: it is often tied to the embeddings, and its
-    rounding moves every logit (llama.cpp keeps a wider type for it too).
+    rounding moves every logit (llama.cpp keeps a wider type for it too); so do MoE routers
+    (llama.cpp keeps `ffn_gate_inp` in float32), whose rounding would change expert choices.
     """
     linears = [
         module

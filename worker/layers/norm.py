@@ -1,5 +1,6 @@
-"""RMSNorm computed in float32, as the reference implementations do; Ladle's native bf16
-kernel where the model chose it at load (`use_native`)."""
+"""RMSNorm computed in float32, as the reference implementations do (Llama's `w * x` and
+Gemma's `(1 + w) * x`); Ladle's native bf16 kernel where the model chose it at load
+(`use_native`)."""
 
 from __future__ import annotations
 
@@ -14,18 +15,21 @@ class RMSNorm(nn.Module):
     One fused `F.rms_norm` call in float32 (bitwise equal to the op-by-op formula); in a
     narrower dtype the normalisation is fused and the cast and weight stay separate, as in
     HF, so bf16 results are bitwise unchanged too (8 small ops -> 2-3, ~64 -> ~19 us).
+    `offset` 1.0 is Gemma's form: scaled by `1 + w` in float32, then cast.
     """
 
-    def __init__(self, size: int, eps: float = 1e-6) -> None:
+    def __init__(self, size: int, eps: float = 1e-6, offset: float = 0.0) -> None:
         super().__init__()
         self.eps = eps
+        self.offset = offset
         self.weight = nn.Parameter(torch.ones(size))
         self.native = False  # `ladle_native.rms_norm_bf16` (bf16 weights on CPU)
 
     def use_native(self, enabled: bool) -> None:
-        """Run on the native kernels from now on (where they apply: bf16 on CPU)."""
+        """Run on the native kernels from now on (where they apply: bf16 on CPU, `w * x`)."""
         weight = self.weight
-        self.native = enabled and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+        on_cpu_bf16 = weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+        self.native = enabled and on_cpu_bf16 and not self.offset
 
     def with_residual(
         self, x: torch.Tensor, residual: torch.Tensor
@@ -42,6 +46,9 @@ class RMSNorm(nn.Module):
             out = torch.ops.ladle_native.rms_norm_bf16(flat, self.weight, self.eps)
             return out.view(x.shape)
         shape = (x.shape[-1],)
+        if self.offset:
+            normed = F.rms_norm(x.float(), shape, None, self.eps)
+            return (normed * (self.weight.float() + self.offset)).to(x.dtype)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return F.rms_norm(x, shape, self.weight, self.eps)
         normed = F.rms_norm(x.float(), shape, None, self.eps)

@@ -1,8 +1,14 @@
 """Rotary position embeddings: inverse frequencies per scaling type, cos/sin cache built once.
 
-Reads transformers 5's `rope_parameters` (older `rope_scaling` + `rope_theta` as fallback).
-Supported `rope_type`: default, linear, dynamic, llama3, yarn. Dynamic NTK only changes the
-frequencies beyond `max_position_embeddings`, which the loader never exceeds, so it equals default.
+Reads transformers 5's `rope_parameters` (older `rope_scaling` + `rope_theta` as fallback;
+per layer type where a config has one dict per type, as Gemma 3). Supported `rope_type`:
+default, linear, dynamic, llama3, yarn, longrope. Dynamic NTK only changes the frequencies
+beyond `max_position_embeddings`, which the loader never exceeds, so it equals default.
+LongRoPE: HF picks the short or long factors for a whole sequence by its current length, so a
+sequence's early keys would change once it grows past `original_max_position_embeddings`
+(which a paged cache cannot do); here a position takes the short factors below that length and
+the long ones from it on, which equals HF up to that length and HF's own cached generation of a
+prompt shorter than it. A partial rotary factor rotates the first part of each head only.
 """
 
 from __future__ import annotations
@@ -13,17 +19,47 @@ from typing import Any
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
-def rope_parameters(config: Any) -> dict[str, Any]:
-    """The config's rope dict with `rope_type` and `rope_theta` always present."""
+def rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any]:
+    """The config's rope dict (for `layer_type` where it has one per type) with `rope_type`,
+    `rope_theta` and `partial_rotary_factor` always present."""
     params = dict(getattr(config, "rope_parameters", None) or {})
+    if layer_type is not None and isinstance(params.get(layer_type), dict):
+        params = dict(params[layer_type])
     if not params:
         params = dict(getattr(config, "rope_scaling", None) or {})
     params.setdefault("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
     params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    partial = getattr(config, "partial_rotary_factor", None) or 1.0
+    params.setdefault("partial_rotary_factor", partial)
+    if params["rope_type"] == "longrope":
+        params.setdefault("max_position_embeddings", config.max_position_embeddings)
+        original = getattr(config, "original_max_position_embeddings", None)
+        params.setdefault("original_max_position_embeddings", original)
     return params
+
+
+def rotary_dim_of(params: dict[str, Any], head_dim: int) -> int:
+    return int(head_dim * params.get("partial_rotary_factor", 1.0))
+
+
+def _longrope(
+    base: float, dim: int, params: dict[str, Any], key: str
+) -> tuple[torch.Tensor, float]:
+    """LongRoPE's inverse frequencies with its `short_factor` or `long_factor`, and HF's
+    attention factor (from `factor`, else the ratio of the context lengths)."""
+    original = params["original_max_position_embeddings"]
+    factor = params.get("factor") or params["max_position_embeddings"] / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0
+        if factor > 1.0:
+            attention_factor = math.sqrt(1 + math.log(factor) / math.log(original))
+    ext = torch.tensor(params[key], dtype=torch.float32)
+    shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (ext * base**shape), float(attention_factor)
 
 
 def _default_inv_freq(base: float, dim: int) -> torch.Tensor:
@@ -81,12 +117,13 @@ def _yarn_inv_freq(
 def compute_inv_freq(
     params: dict[str, Any], head_dim: int, max_positions: int
 ) -> tuple[torch.Tensor, float]:
-    """(inverse frequencies [rotary_dim // 2], scale applied to cos/sin) for a rope dict."""
+    """(inverse frequencies [rotary_dim // 2], scale applied to cos/sin) for a rope dict
+    (LongRoPE: its short factors)."""
     rope_type = params["rope_type"]
     base = float(params["rope_theta"])
-    dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
-    if dim != head_dim:
-        raise ValueError("partial rotary embeddings are not supported")
+    dim = rotary_dim_of(params, head_dim)
+    if rope_type == "longrope":
+        return _longrope(base, dim, params, "short_factor")
     if rope_type == "yarn":
         return _yarn_inv_freq(base, dim, params, max_positions)
     inv_freq = _default_inv_freq(base, dim)
@@ -114,19 +151,26 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.params = params
         self.head_dim = head_dim
+        self.rotary_dim = rotary_dim_of(params, head_dim)
         self.max_positions = max_positions
-        self.register_buffer("cos_cache", torch.empty(max_positions, head_dim), persistent=False)
-        self.register_buffer("sin_cache", torch.empty(max_positions, head_dim), persistent=False)
+        width = self.rotary_dim
+        self.register_buffer("cos_cache", torch.empty(max_positions, width), persistent=False)
+        self.register_buffer("sin_cache", torch.empty(max_positions, width), persistent=False)
 
     def build_cache(self) -> None:
         """Fill the cache on the buffers' device and dtype (after weights are placed)."""
         inv_freq, scale = compute_inv_freq(self.params, self.head_dim, self.max_positions)
         positions = torch.arange(self.max_positions, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]
+        if self.params["rope_type"] == "longrope":  # the long factors from the original length
+            base = float(self.params["rope_theta"])
+            long_freq, _ = _longrope(base, self.rotary_dim, self.params, "long_factor")
+            start = self.params["original_max_position_embeddings"]
+            freqs[start:] = positions[start:, None] * long_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos_cache.copy_((emb.cos() * scale).to(self.cos_cache.dtype))
         sin = emb.sin() * scale
-        sin[:, : self.head_dim // 2].neg_()
+        sin[:, : self.rotary_dim // 2].neg_()
         self.sin_cache.copy_(sin.to(self.sin_cache.dtype))
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,7 +180,8 @@ class RotaryEmbedding(nn.Module):
     def use_native(self, enabled: bool) -> None:
         """Rotate in place with `ladle_native.rotary_bf16_` from now on (bf16 on CPU)."""
         cache = self.cos_cache
-        self.native = enabled and cache.dtype == torch.bfloat16 and cache.device.type == "cpu"
+        on_cpu_bf16 = cache.dtype == torch.bfloat16 and cache.device.type == "cpu"
+        self.native = enabled and on_cpu_bf16 and self.rotary_dim == self.head_dim
 
     def rotate(self, x: torch.Tensor, num_heads: int, positions: torch.Tensor) -> torch.Tensor:
         """The first `num_heads` heads of x [T, heads, head_dim] rotated (in place on the
@@ -147,7 +192,12 @@ class RotaryEmbedding(nn.Module):
             )
             return x[:, :num_heads]
         cos, sin = self(positions)
-        return apply_rotary(x[:, :num_heads], cos, sin)
+        if self.rotary_dim == self.head_dim:
+            return apply_rotary(x[:, :num_heads], cos, sin)
+        rotated = x[:, :num_heads].clone()  # partial: the rest of each head passes through
+        part = x[:, :num_heads, : self.rotary_dim]
+        rotated[..., : self.rotary_dim] = apply_rotary(part, cos, sin)
+        return rotated
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

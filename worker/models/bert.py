@@ -19,7 +19,7 @@ from torch import nn
 
 from worker.layers.dense_attention import current_dense_batch, dense_attention
 from worker.layers.linear import Linear, PackedLinear
-from worker.models.weights import load_named_weights
+from worker.models.weights import load_checkpoint
 
 PACKED = {
     "attention.self.query": ("attention.qkv", 0),
@@ -181,7 +181,7 @@ class BertEncoderModel(nn.Module):
         """Nothing derived to build (positions are learned)."""
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_named_weights(self, weights, PACKED, self._rename)
+        return load_checkpoint(self, weights, self._rename, PACKED)
 
     def _rename(self, name: str) -> str | None:
         for prefix in _PREFIXES:

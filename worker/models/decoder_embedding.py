@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from worker.layers.dense_attention import DenseAttention
-from worker.models.llama import PACKED_WEIGHTS, LlamaModel, variant_for
-from worker.models.weights import load_named_weights
+from worker.models.llama import LlamaModel, variant_for
+from worker.models.weights import PACKED_WEIGHTS, load_checkpoint
 
 # a bare decoder's architecture -> the causal-LM name our Llama family keys variants by
 CAUSAL_NAMES = {
@@ -56,7 +56,7 @@ class DecoderEmbeddingModel(nn.Module):
         self.model.rotary_emb.build_cache()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_named_weights(self, weights, PACKED_WEIGHTS, _rename)
+        return load_checkpoint(self, weights, _rename, PACKED_WEIGHTS)
 
 
 def _rename(name: str) -> str | None:

@@ -20,13 +20,17 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from worker.models.errors import ModelConfigError
 from worker.models.registry import MODEL_TYPES
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_GGUF_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+# transformers' model_type for each GGUF arch we serve (gemma3's is gemma3_text)
+SUPPORTED_GGUF_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
 # Architectures whose Q/K rows llama.cpp permuted at conversion.
 PERMUTED_ARCHS = ("llama", "mistral")
+# Architectures whose norm weights llama.cpp stored as 1 + w (Gemma's form, made plain).
+PLUS_ONE_NORM_ARCHS = ("gemma2", "gemma3_text")
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -46,18 +50,27 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma's sandwich norms: ffn_norm is the norm before the MLP, and two more after
+_GEMMA_BLOCK_NAMES = {
+    **_BLOCK_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_BLOCK_NAMES_BY_ARCH = {"gemma2": _GEMMA_BLOCK_NAMES, "gemma3_text": _GEMMA_BLOCK_NAMES}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def hf_name(gguf_name: str) -> str:
-    """The HF parameter name for a GGUF tensor name."""
+def hf_name(gguf_name: str, arch: str = "llama") -> str:
+    """The HF parameter name for a GGUF tensor name (of a file of transformers' `arch`)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _BLOCK_NAMES_BY_ARCH.get(arch, _BLOCK_NAMES)
     match = _BLOCK_RE.fullmatch(gguf_name)
-    if match is None or match.group(2) not in _BLOCK_NAMES:
-        raise ValueError(f"unknown GGUF tensor {gguf_name!r}")
+    if match is None or match.group(2) not in names:
+        raise ModelConfigError(f"unknown GGUF tensor {gguf_name!r}")
     layer, part, kind = match.groups()
-    return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
+    return f"model.layers.{layer}.{names[part]}.{kind}"
 
 
 def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -78,7 +91,7 @@ def gguf_entries(path: Path, config: dict) -> Iterator[tuple[str, Any, int | Non
             heads = config["num_attention_heads"]
         elif arch in PERMUTED_ARCHS and ".attn_k." in tensor.name:
             heads = config["num_key_value_heads"]
-        yield hf_name(tensor.name), tensor, heads
+        yield hf_name(tensor.name, arch), tensor, heads
 
 
 def dequantized(tensor: Any) -> np.ndarray:
@@ -89,19 +102,33 @@ def dequantized(tensor: Any) -> np.ndarray:
     return array.reshape(tuple(reversed([int(n) for n in tensor.shape])))
 
 
+def float_tensor(name: str, tensor: Any, heads: int | None, arch: str) -> np.ndarray:
+    """A GGUF tensor as HF's float32 values: dequantised, llama.cpp's Q/K permutation and
+    Gemma's stored 1 + w undone."""
+    array = dequantized(tensor)
+    if heads is not None:
+        array = unpermute_qk(array, heads)
+    if arch in PLUS_ONE_NORM_ARCHS and name.endswith("norm.weight"):
+        array = array - 1.0
+    return array
+
+
 def gguf_tensors(path: Path, config: dict) -> Iterator[tuple[str, np.ndarray]]:
-    """(HF name, float32 array) for every tensor in the file, permutation undone."""
+    """(HF name, float32 array) for every tensor in the file, as HF holds it."""
     for name, tensor, heads in gguf_entries(path, config):
-        array = dequantized(tensor)
-        yield name, array if heads is None else unpermute_qk(array, heads)
+        yield name, float_tensor(name, tensor, heads, config["model_type"])
 
 
 def _write_config(gguf_path: Path, out: Path) -> dict:
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    try:
+        config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except (ValueError, KeyError) as exc:  # transformers cannot read this architecture
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ModelConfigError(f"cannot read GGUF {gguf_path.name}: {first_line}") from exc
     if config.model_type not in SUPPORTED_GGUF_ARCHS:
-        raise ValueError(
+        raise ModelConfigError(
             f"unsupported GGUF architecture {config.model_type!r}; "
             f"supported: {', '.join(SUPPORTED_GGUF_ARCHS)}"
         )

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from worker.layers.quant import QuantizedTensor, quantize
-from worker.models.gguf_convert import dequantized, gguf_entries, unpermute_qk
+from worker.models.gguf_convert import dequantized, float_tensor, gguf_entries, unpermute_qk
 
 Q4_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}  # fp16 d (+ fp16 m) + 16 bytes of nibbles
 Q4_BLOCK = 32
@@ -71,6 +71,5 @@ def gguf_quantized_weights(
                 weight = weight.rows(_row_order(weight.shape[0], heads))
             yield name, weight
         else:
-            array = dequantized(tensor)
-            array = array if heads is None else unpermute_qk(array, heads)
+            array = float_tensor(name, tensor, heads, config["model_type"])
             yield name, torch.from_numpy(np.array(array, dtype=np.float32, order="C"))

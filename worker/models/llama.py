@@ -20,6 +20,7 @@ from worker.layers.linear import Linear, PackedLinear
 from worker.layers.norm import RMSNorm
 from worker.layers.quant import QuantizedTensor
 from worker.layers.rotary import RotaryEmbedding, rope_parameters
+from worker.models.hf_config import head_dim_of, layer_window
 
 # checkpoint name fragment -> (fused module name fragment, shard index)
 PACKED_WEIGHTS = {
@@ -39,6 +40,7 @@ class LlamaVariant:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    sliding_window: bool = True  # Mistral and Qwen honour the config's window; Llama does not
 
 
 def variant_for(architecture: str, config: Any) -> LlamaVariant:
@@ -51,15 +53,14 @@ def variant_for(architecture: str, config: Any) -> LlamaVariant:
         qkv_bias=attention_bias,
         o_bias=attention_bias,
         mlp_bias=bool(getattr(config, "mlp_bias", False)),
+        sliding_window=architecture != "LlamaForCausalLM",
     )
 
 
-def head_dim_of(config: Any) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, variant: LlamaVariant, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self, config: Any, variant: LlamaVariant, rotary: RotaryEmbedding, index: int
+    ) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -72,8 +73,9 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(q_size, config.hidden_size, bias=variant.o_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if variant.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if variant.qk_norm else None
+        window = layer_window(config, index) if variant.sliding_window else None
         self.attn = PagedAttention(
-            self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5
+            self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, window
         )
         self._rotary = [rotary]  # shared by every layer; a list keeps it out of the submodules
 
@@ -112,9 +114,11 @@ class LlamaDecoderLayer(nn.Module):
     Each residual add is fused with the norm after it (`RMSNorm.with_residual`), so on the
     native kernels a layer is 10 calls, 5 of them matmuls; eagerly the same adds and norms."""
 
-    def __init__(self, config: Any, variant: LlamaVariant, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self, config: Any, variant: LlamaVariant, rotary: RotaryEmbedding, index: int
+    ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, variant, rotary)
+        self.self_attn = LlamaAttention(config, variant, rotary, index)
         self.mlp = LlamaMLP(config, variant)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -136,8 +140,8 @@ class LlamaModel(nn.Module):
             rope_parameters(config), head_dim_of(config), max_positions
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, variant, self.rotary_emb)
-            for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, variant, self.rotary_emb, index)
+            for index in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.variant = variant

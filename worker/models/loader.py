@@ -23,9 +23,10 @@ from torch import nn
 from shared.model_files import converted_dir, resolve_model
 from worker.layers.linear import quantize_linears
 from worker.layers.quant import QuantizedTensor, check_quantization
+from worker.models.errors import ModelConfigError
 from worker.models.gguf_convert import convert_gguf
 from worker.models.gguf_quant import gguf_quantized_weights
-from worker.models.registry import build_model
+from worker.models.registry import build_model, resolve_architecture
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +139,7 @@ def load_model(
 
     started = time.perf_counter()
     model_dir = hf_dir_for(ref, cache_dir)
-    config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    config = _read_config(model_dir, AutoConfig)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     check_quantization(quantization, torch_device)
@@ -173,6 +174,20 @@ def load_model(
     )
 
 
+def _read_config(model_dir: Path, auto_config: Any) -> Any:
+    """The model's transformers config, checked against the registry before transformers
+    reads it (so an unknown or remote-code architecture is one clear `ModelConfigError`)."""
+    path = model_dir / "config.json"
+    if not path.exists():
+        raise ModelConfigError(f"{model_dir} has no config.json")
+    resolve_architecture(json.loads(path.read_text()))
+    try:
+        return auto_config.from_pretrained(str(model_dir), local_files_only=True)
+    except (ValueError, KeyError, OSError) as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelConfigError(f"cannot read {path}: {first_line}") from exc
+
+
 def _checkpoint(
     ref: str, model_dir: Path, config: Any, quantization: str
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
@@ -185,8 +200,4 @@ def _checkpoint(
 
 def _max_model_len(config: Any, cap: int | None) -> int:
     length = int(getattr(config, "max_position_embeddings", 0) or 2048)
-    # We attend over the full context; a sliding window would change results past it.
-    window = getattr(config, "sliding_window", None)
-    if window and getattr(config, "use_sliding_window", True):
-        length = min(length, int(window))
     return min(length, cap) if cap else length

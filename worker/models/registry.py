@@ -8,13 +8,24 @@ from torch import nn
 
 from worker.models.bert import BertEncoderModel
 from worker.models.decoder_embedding import CAUSAL_NAMES, DecoderEmbeddingModel
+from worker.models.errors import ModelConfigError
+from worker.models.gemma import GemmaForCausalLM
 from worker.models.llama import LlamaForCausalLM
+from worker.models.moe import MoEForCausalLM
+from worker.models.phi3 import Phi3ForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "MixtralForCausalLM": MoEForCausalLM,
+    "Qwen2MoeForCausalLM": MoEForCausalLM,
+    "Qwen3MoeForCausalLM": MoEForCausalLM,
+    "OlmoeForCausalLM": MoEForCausalLM,
 }
 
 MODEL_TYPES = {
@@ -22,25 +33,39 @@ MODEL_TYPES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
 
 
 def resolve_architecture(config: Any) -> str:
-    """The supported architecture named by config.architectures or model_type.
+    """The supported architecture named by config.architectures or model_type (a config
+    object or config.json's dict).
 
-    Raises ValueError naming the architecture and listing the supported ones.
+    Raises `ModelConfigError` naming the architecture and listing the supported ones; for a
+    checkpoint whose code lives in its repository (`auto_map`), saying so.
     """
-    for architecture in getattr(config, "architectures", None) or []:
+    get = config.get if isinstance(config, dict) else lambda key: getattr(config, key, None)
+    named = list(get("architectures") or [])
+    for architecture in named:
         if architecture in MODEL_CLASSES:
             return architecture
-    named = list(getattr(config, "architectures", None) or [])
-    model_type = getattr(config, "model_type", None)
+    model_type = get("model_type")
     if not named and model_type in MODEL_TYPES:
         return MODEL_TYPES[model_type]
     label = ", ".join(named) or f"model_type={model_type!r}"
-    raise ValueError(
-        f"unsupported model architecture {label}; supported: {', '.join(MODEL_CLASSES)}"
-    )
+    supported = ", ".join(MODEL_CLASSES)
+    if get("auto_map"):
+        raise ModelConfigError(
+            f"model architecture {label} needs its own remote code (auto_map), which Ladle "
+            f"does not run; supported: {supported}"
+        )
+    raise ModelConfigError(f"unsupported model architecture {label}; supported: {supported}")
 
 
 def build_model(config: Any, max_positions: int) -> nn.Module:

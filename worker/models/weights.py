@@ -1,9 +1,4 @@
-"""Copying checkpoint tensors into a model whose projections may be fused (`PackedLinear`).
-
-One loader for the model families that keep HF names apart from their fused projections:
-a checkpoint name is first renamed (prefixes, old spellings), then either copied into its
-parameter or into its shard's rows of a fused one; every parameter must be loaded once.
-"""
+"""Checkpoint tensors (HF names) into a model's parameters, fused projections included."""
 
 from __future__ import annotations
 
@@ -13,51 +8,78 @@ import torch
 from torch import nn
 
 from worker.layers.linear import PackedLinear
+from worker.layers.quant import QuantizedTensor
+from worker.models.errors import ModelConfigError
 
-# checkpoint name fragment -> (fused name fragment, shard index)
-PackedMap = dict[str, tuple[str, int]]
+# checkpoint name fragment -> (fused module name fragment, shard index)
+PACKED_WEIGHTS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+Weights = Iterable[tuple[str, torch.Tensor | QuantizedTensor]]
 
 
-def load_named_weights(
+class MissingWeightsError(ModelConfigError):
+    """A checkpoint without some of the model's weights."""
+
+
+def packed_target(
+    name: str, packed_map: dict[str, tuple[str, int]] = PACKED_WEIGHTS
+) -> tuple[str, int] | None:
+    """(fused parameter name, shard) for a checkpoint's q/k/v or gate/up tensor."""
+    for fragment, (packed, shard) in packed_map.items():
+        if f".{fragment}." in name:
+            return name.replace(f".{fragment}.", f".{packed}."), shard
+    return None
+
+
+def load_checkpoint(
     model: nn.Module,
-    weights: Iterable[tuple[str, torch.Tensor]],
-    packed: PackedMap,
-    rename: Callable[[str], str | None],
+    weights: Weights,
+    rename: Callable[[str], str | None] = lambda name: name,
+    packed_map: dict[str, tuple[str, int]] = PACKED_WEIGHTS,
 ) -> set[str]:
-    """Copy `weights` into `model`; `rename` maps a checkpoint name to ours (None: skip it).
-
-    Raises ValueError on a name the model has no place for, or a parameter left unloaded.
-    """
+    """Copy checkpoint tensors into `model`; returns the names loaded (`name#shard` for a
+    shard of a fused projection). `rename` maps a checkpoint name onto the model's (None:
+    skip it). A `QuantizedTensor` goes to its layer, which packs it at `quantize_linears`.
+    Raises `ModelConfigError` for an unknown tensor, `MissingWeightsError` for missing ones."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
-    for raw_name, tensor in weights:
-        name = rename(raw_name)
-        if name is None:
+    for checkpoint_name, tensor in weights:
+        name = rename(checkpoint_name)
+        if name is None or "rotary_emb.inv_freq" in name:
             continue
-        target = _packed_target(name, packed)
+        target = packed_target(name, packed_map)
         if target is not None:
             packed_name, shard = target
             module = model.get_submodule(packed_name.rsplit(".", 1)[0])
-            if packed_name not in params or not isinstance(module, PackedLinear):
-                raise ValueError(f"unexpected weight {raw_name!r} in checkpoint")
             module.load_shard(params[packed_name], shard, tensor)
             loaded.add(f"{packed_name}#{shard}")
             continue
         if name not in params:
-            raise ValueError(f"unexpected weight {raw_name!r} in checkpoint")
-        if params[name].shape != tensor.shape:
-            raise ValueError(
-                f"weight {raw_name!r} is {tuple(tensor.shape)}, "
+            raise ModelConfigError(f"unexpected weight {checkpoint_name!r} in checkpoint")
+        if not isinstance(tensor, QuantizedTensor) and params[name].shape != tensor.shape:
+            raise ModelConfigError(
+                f"weight {checkpoint_name!r} is {tuple(tensor.shape)}, "
                 f"expected {tuple(params[name].shape)}"
             )
-        params[name].data.copy_(tensor)
+        module = model.get_submodule(name.rsplit(".", 1)[0])
+        if isinstance(tensor, QuantizedTensor):
+            module.load_quantized(0, tensor)
+        else:
+            params[name].data.copy_(tensor)
         loaded.add(name)
+        if isinstance(module, PackedLinear):  # a checkpoint that fuses them too (Phi-3)
+            loaded.update(f"{name}#{i}" for i in range(len(module.shard_sizes)))
     check_complete(model, params, loaded)
     return loaded
 
 
 def check_complete(model: nn.Module, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
-    """Raise ValueError naming the parameters (or fused shards) no checkpoint tensor filled."""
     missing = []
     for name in params:
         module = model.get_submodule(name.rsplit(".", 1)[0])
@@ -67,11 +89,5 @@ def check_complete(model: nn.Module, params: dict[str, nn.Parameter], loaded: se
         elif name not in loaded:
             missing.append(name)
     if missing:
-        raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}")
-
-
-def _packed_target(name: str, packed: PackedMap) -> tuple[str, int] | None:
-    for fragment, (fused, shard) in packed.items():
-        if f".{fragment}." in name:
-            return name.replace(f".{fragment}.", f".{fused}."), shard
-    return None
+        more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        raise MissingWeightsError(f"checkpoint is missing weights: {', '.join(missing[:8])}{more}")

@@ -209,6 +209,22 @@ def attention_supported(head_dim: int, group: int) -> bool:
     return head_dim in (32, 64, 96, 128, 192, 256) and 1 <= group <= 16
 
 
+def attention_rows(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    starts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`ladle_native.paged_attention_rows`: each row over positions [start, context_len)
+    of its block table (start 0 without `starts`)."""
+    return torch.ops.ladle_native.paged_attention_rows(
+        q, k_cache, v_cache, tables, context_lens, scale, starts
+    )
+
+
 def amx_usable(out_features: int, in_features: int) -> bool:
     """Whether `gemm_bf16(..., amx=True)` takes the AMX path for this weight shape here."""
     return loaded() and bool(torch.ops.ladle_native.amx_usable(out_features, in_features))

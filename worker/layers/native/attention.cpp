@@ -1,7 +1,8 @@
 // Paged attention, one query row at a time, and the bf16 KV cache write.
 //
 // Every query row (a decode token, a draft being verified, or a prefill token) attends to
-// its own `context_len` cached positions through its own block table, so a row's result
+// its own cached positions [start, context_len) through its own block table (start > 0 for
+// a sliding-window layer, 0 otherwise), so a row's result
 // never depends on how its sequence was chunked, cached or batched. One task per
 // (row, KV head) walks the row's block table in place (no gathered copy, no padding):
 //
@@ -12,8 +13,8 @@
 // for the G query heads sharing the KV head, keys read once for all G.
 // Reduction order, per row: a score is one chain over the head's 16-feature chunks in order,
 // then its 16 lanes summed by `sum_lanes16` (the same tree for every key); the softmax total
-// sums position p into lane p % 16, then the lanes in `_mm512_reduce_add_ps`'s tree; the
-// value sum is one FMA chain over positions in order.
+// sums position p into lane (p - start) % 16, then the lanes in `_mm512_reduce_add_ps`'s
+// tree; the value sum is one FMA chain over positions in order.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -25,6 +26,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -94,10 +96,11 @@ const typename E::T* at_position(const void* head, const Cache& c, int64_t p) {
   return base + (c.table[p / c.block_size] * c.block_size + p % c.block_size) * D;
 }
 
-// scores[g][p] for every p < len, and each head's maximum.
+// scores[g][p - first] for every first <= p < end, and each head's maximum.
 template <class E, int D>
-void score(const typename E::T* q, int64_t q_head_stride, int G, const Cache& c, int64_t len,
-           float scale, float* scores, float* maxes) {
+void score(const typename E::T* q, int64_t q_head_stride, int G, const Cache& c, int64_t first,
+           int64_t end, float scale, float* scores, float* maxes) {
+  const int64_t len = end - first;
   constexpr int C = D / E::kPerChunk;
   typename E::Q qv[kMaxGroup][C];
   for (int g = 0; g < G; ++g) {
@@ -108,7 +111,7 @@ void score(const typename E::T* q, int64_t q_head_stride, int G, const Cache& c,
   for (int64_t p0 = 0; p0 < len; p0 += kKeys) {
     const int64_t n = len - p0 < kKeys ? len - p0 : kKeys;
     for (int64_t j = 0; j < kKeys; ++j)  // past the end: the last key again, ignored
-      keys[j] = at_position<E, D>(c.k, c, p0 + (j < n ? j : n - 1));
+      keys[j] = at_position<E, D>(c.k, c, first + p0 + (j < n ? j : n - 1));
     const __mmask16 valid = tail_mask(n);
     for (int g = 0; g < G; ++g) {
       __m512 acc[kKeys];
@@ -123,13 +126,15 @@ void score(const typename E::T* q, int64_t q_head_stride, int G, const Cache& c,
   }
 }
 
-// One (row, KV head): G query heads of D features over `len` cached positions.
+// One (row, KV head): G query heads of D features over cached positions [first, end).
 template <class E, int D>
-void attend(const typename E::T* q, int64_t q_head_stride, int G, const Cache& c, int64_t len,
-            float scale, typename E::T* out, int64_t out_head_stride, std::vector<float>& scores) {
+void attend(const typename E::T* q, int64_t q_head_stride, int G, const Cache& c, int64_t first,
+            int64_t end, float scale, typename E::T* out, int64_t out_head_stride,
+            std::vector<float>& scores) {
+  const int64_t len = end - first;
   scores.resize(static_cast<size_t>(G) * len);
   float maxes[kMaxGroup];
-  score<E, D>(q, q_head_stride, G, c, len, scale, scores.data(), maxes);
+  score<E, D>(q, q_head_stride, G, c, first, end, scale, scores.data(), maxes);
   for (int g = 0; g < G; ++g) {
     float* row = scores.data() + g * len;
     const __m512 mx = _mm512_set1_ps(maxes[g]);
@@ -151,7 +156,7 @@ void attend(const typename E::T* q, int64_t q_head_stride, int G, const Cache& c
     __m512 acc[V];
     for (int i = 0; i < V; ++i) acc[i] = _mm512_setzero_ps();
     for (int64_t p = 0; p < len; ++p) {
-      const typename E::T* value = at_position<E, D>(c.v, c, p);
+      const typename E::T* value = at_position<E, D>(c.v, c, first + p);
       const __m512 w = _mm512_set1_ps(row[p]);
       for (int i = 0; i < V; ++i) acc[i] = _mm512_fmadd_ps(w, E::load16(value + 16 * i), acc[i]);
     }
@@ -161,8 +166,8 @@ void attend(const typename E::T* q, int64_t q_head_stride, int G, const Cache& c
 }
 
 template <class E>
-using AttendFn = void (*)(const typename E::T*, int64_t, int, const Cache&, int64_t, float,
-                          typename E::T*, int64_t, std::vector<float>&);
+using AttendFn = void (*)(const typename E::T*, int64_t, int, const Cache&, int64_t, int64_t,
+                          float, typename E::T*, int64_t, std::vector<float>&);
 
 template <class E>
 AttendFn<E> attend_for(int64_t head_dim) {
@@ -183,7 +188,8 @@ inline int64_t balanced_row(int64_t t, int64_t rows) { return t % 2 ? rows - 1 -
 
 template <class E>
 void attend_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                 const at::Tensor& tables, const int64_t* lens, double scale, at::Tensor& out) {
+                 const at::Tensor& tables, const int64_t* starts, const int64_t* lens,
+                 double scale, at::Tensor& out) {
   const int64_t R = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t Hkv = k_cache.size(0), bs = k_cache.size(2);
   const AttendFn<E> fn = attend_for<E>(D);
@@ -201,7 +207,8 @@ void attend_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = balanced_row(task / Hkv, R), h = task % Hkv;
       const Cache c{kp + h * head_cache, vp + h * head_cache, tp + r * max_blocks, bs};
-      fn(qp + (r * H + h * G) * D, D, G, c, lens[r], static_cast<float>(scale),
+      fn(qp + (r * H + h * G) * D, D, G, c, starts ? starts[r] : 0, lens[r],
+         static_cast<float>(scale),
          op + (r * H + h * G) * D, D, scores);
     }
   });
@@ -216,10 +223,12 @@ void check_cache(const at::Tensor& cache, const char* name) {
 }
 
 // q [R, H, D]; caches [Hkv, blocks, block_size, D] of q's type; tables [R, >= blocks used]
-// int64; context_lens [R] int64 (>= 1). Returns [R, H, D].
+// int64; context_lens [R] int64 (>= 1); starts, if given, [R] int64, each row's first
+// position (0 <= start < context_len). Returns [R, H, D].
 at::Tensor paged_attention_rows(const at::Tensor& q, const at::Tensor& k_cache,
                                 const at::Tensor& v_cache, const at::Tensor& tables,
-                                const at::Tensor& context_lens, double scale) {
+                                const at::Tensor& context_lens, double scale,
+                                const std::optional<at::Tensor>& starts) {
   check_cache(k_cache, "k_cache");
   check_cache(v_cache, "v_cache");
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == k_cache.scalar_type(),
@@ -235,6 +244,16 @@ at::Tensor paged_attention_rows(const at::Tensor& q, const at::Tensor& k_cache,
   const at::Tensor qc = q.contiguous(), tc = tables.contiguous(), lc = context_lens.contiguous();
   const int64_t* lens = lc.data_ptr<int64_t>();
   const int64_t* tp = tc.data_ptr<int64_t>();
+  at::Tensor sc;
+  const int64_t* first = nullptr;
+  if (starts.has_value()) {
+    TORCH_CHECK(starts->dim() == 1 && starts->scalar_type() == at::kLong && starts->size(0) == R,
+                "starts must be int64 [rows]");
+    sc = starts->contiguous();
+    first = sc.data_ptr<int64_t>();
+    for (int64_t r = 0; r < R; ++r)
+      TORCH_CHECK(first[r] >= 0 && first[r] < lens[r], "row ", r, ": start out of range");
+  }
   for (int64_t r = 0; r < R; ++r) {
     const int64_t used = (lens[r] + bs - 1) / bs;
     TORCH_CHECK(lens[r] >= 1 && used <= tables.size(1), "row ", r, ": context length ", lens[r],
@@ -246,9 +265,9 @@ at::Tensor paged_attention_rows(const at::Tensor& q, const at::Tensor& k_cache,
   at::Tensor out = at::empty({R, H, D}, q.options());
 #if defined(__AVX512BF16__)
   if (q.scalar_type() == at::kBFloat16)
-    attend_rows<Bf16>(qc, k_cache, v_cache, tc, lens, scale, out);
+    attend_rows<Bf16>(qc, k_cache, v_cache, tc, first, lens, scale, out);
   else
-    attend_rows<F32>(qc, k_cache, v_cache, tc, lens, scale, out);
+    attend_rows<F32>(qc, k_cache, v_cache, tc, first, lens, scale, out);
 #else
   TORCH_CHECK(false, "ladle_native.paged_attention_rows: built without AVX512-BF16");
 #endif
@@ -291,7 +310,7 @@ void write_kv_bf16(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache
 TORCH_LIBRARY_FRAGMENT(ladle_native, m) {
   m.def(
       "paged_attention_rows(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, "
-      "Tensor context_lens, float scale) -> Tensor");
+      "Tensor context_lens, float scale, Tensor? starts=None) -> Tensor");
   m.def("write_kv_bf16(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()");
 }
 

@@ -1,0 +1,83 @@
+"""A sparse Mixture-of-Experts MLP: top-k routing, tokens grouped by expert, one matmul per
+active expert (each expert a `GatedMLP`, so its projections run on the layers' kernels)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.layers.linear import Linear
+from worker.layers.mlp import GatedMLP
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """What a family's MoE block is: sizes, routing, and an optional shared expert."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    normalize_top_k: bool
+    act: str = "silu"
+    shared_intermediate_size: int = 0  # Qwen2-MoE: an always-on expert, sigmoid-gated
+
+
+class SparseMoE(nn.Module):
+    """x [T, H] -> the routing-weighted sum of its top-k experts' outputs (+ shared expert).
+
+    Routing follows HF: softmax in float32 over the router's logits, top-k, renormalised
+    where the family does, weights cast to x's dtype. Tokens are sorted by expert once; each
+    active expert multiplies its tokens in one batch and adds them back in expert order, so
+    a token's sum has the same order whatever else is in the step (batch invariant where
+    the expert matmuls are).
+    """
+
+    def __init__(self, hidden_size: int, spec: MoESpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.gate = Linear(hidden_size, spec.num_experts, bias=False)  # the router
+        self.experts = nn.ModuleList(
+            GatedMLP(hidden_size, spec.intermediate_size, spec.act) for _ in range(spec.num_experts)
+        )
+        self.shared_expert: GatedMLP | None = None
+        self.shared_expert_gate: Linear | None = None
+        if spec.shared_intermediate_size:
+            self.shared_expert = GatedMLP(hidden_size, spec.shared_intermediate_size, spec.act)
+            self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] in x's dtype, expert ids [T, k])."""
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        weights, expert_ids = torch.topk(probs, self.spec.top_k, dim=-1)
+        if self.spec.normalize_top_k:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), expert_ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, expert_ids = self.route(x)
+        out = self._experts(x, weights, expert_ids)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+    def _experts(
+        self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
+    ) -> torch.Tensor:
+        flat_ids = expert_ids.view(-1)
+        order = flat_ids.argsort(stable=True)  # (token, slot) pairs grouped by expert
+        counts = torch.bincount(flat_ids, minlength=self.spec.num_experts).tolist()
+        tokens = order // self.spec.top_k
+        flat_weights = weights.view(-1)
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in enumerate(counts):
+            if not count:
+                continue
+            picked, rows = order[start : start + count], tokens[start : start + count]
+            start += count
+            y = self.experts[expert](x[rows]) * flat_weights[picked, None]
+            out.index_add_(0, rows, y)
+        return out
