@@ -21,15 +21,7 @@ from worker.layers.norm import RMSNorm
 from worker.layers.quant import QuantizedTensor
 from worker.layers.rotary import RotaryEmbedding, rope_parameters
 from worker.models.hf_config import head_dim_of, layer_window
-
-# checkpoint name fragment -> (fused module name fragment, shard index)
-PACKED_WEIGHTS = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
+from worker.models.weights import load_checkpoint
 
 
 @dataclass(frozen=True)
@@ -210,45 +202,7 @@ class LlamaForCausalLM(nn.Module):
         """
         if self.tie_word_embeddings:  # moving off the meta device unties parameters
             self.lm_head.weight = self.model.embed_tokens.weight
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                continue
-            target = _packed_target(name)
-            if target is not None:
-                packed_name, shard = target
-                module = self.get_submodule(packed_name.rsplit(".", 1)[0])
-                module.load_shard(params[packed_name], shard, tensor)
-                loaded.add(f"{packed_name}#{shard}")
-                continue
-            if name not in params:
-                raise ValueError(f"unexpected weight {name!r} in checkpoint")
-            if isinstance(tensor, QuantizedTensor):
-                self.get_submodule(name.rsplit(".", 1)[0]).load_quantized(0, tensor)
-            else:
-                params[name].data.copy_(tensor)
-            loaded.add(name)
-        self._check_complete(params, loaded)
-        return loaded
-
-    def _check_complete(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
-        missing = []
-        for name in params:
-            module = self.get_submodule(name.rsplit(".", 1)[0])
-            if isinstance(module, PackedLinear):
-                shards = [f"{name}#{i}" for i in range(len(module.shard_sizes))]
-                missing += [s for s in shards if s not in loaded]
-            elif name not in loaded:
-                missing.append(name)
-        if missing:
-            raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}")
-
-
-def _packed_target(name: str) -> tuple[str, int] | None:
-    for fragment, (packed, shard) in PACKED_WEIGHTS.items():
-        if f".{fragment}." in name:
-            return name.replace(f".{fragment}.", f".{packed}."), shard
-    return None
+        tied = self.tie_word_embeddings
+        return load_checkpoint(
+            self, weights, lambda n: None if tied and n == "lm_head.weight" else n
+        )
