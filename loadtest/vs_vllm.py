@@ -184,13 +184,14 @@ def running_vllm(args: argparse.Namespace, model_dir: Path) -> Iterator[str]:
 # ---- report --------------------------------------------------------------------------------
 
 
-def report_markdown(vllm: list[LevelResult], ladle: list[LevelResult], meta: dict) -> str:
+def pair_table(first: list[LevelResult], second: list[LevelResult], a: str, b: str) -> list[str]:
+    """Two servers' levels side by side: tok/s, ratio, median ITL and TTFT, p99 e2e."""
     lines = [
-        "| conc | vLLM tok/s | Ladle tok/s | Ladle / vLLM | vLLM med ITL ms | Ladle med ITL ms "
-        "| vLLM med TTFT ms | Ladle med TTFT ms | vLLM p99 e2e s | Ladle p99 e2e s |",
+        f"| conc | {b} tok/s | {a} tok/s | {a} / {b} | {b} med ITL ms | {a} med ITL ms "
+        f"| {b} med TTFT ms | {a} med TTFT ms | {b} p99 e2e s | {a} p99 e2e s |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for v, ours in zip(vllm, ladle, strict=False):
+    for v, ours in zip(second, first, strict=False):
         ratio = ours.output_tokens_per_s / v.output_tokens_per_s if v.output_tokens_per_s else 0
         lines.append(
             f"| {v.concurrency} | {v.output_tokens_per_s:.1f} | {ours.output_tokens_per_s:.1f} "
@@ -198,6 +199,11 @@ def report_markdown(vllm: list[LevelResult], ladle: list[LevelResult], meta: dic
             f"| {v.ttft_ms.median:.0f} | {ours.ttft_ms.median:.0f} "
             f"| {v.e2e_ms.p99 / 1000:.1f} | {ours.e2e_ms.p99 / 1000:.1f} |"
         )
+    return lines
+
+
+def report_markdown(vllm: list[LevelResult], ladle: list[LevelResult], meta: dict) -> str:
+    lines = pair_table(ladle, vllm, "Ladle", "vLLM")
     setup = (
         f"Workload: {meta['workload']}; levels {meta['levels']}, each at most "
         f"{meta['max_seconds']:.0f} s. vLLM {meta['vllm_version']} ({meta['vllm_config']}). "
@@ -222,22 +228,11 @@ def compare_markdown(
     ladle: list[LevelResult], other: list[LevelResult], env: dict, other_env: dict
 ) -> str:
     """The first Ladle run against the second (`--compare-env`), level by level."""
-    lines = [
-        f"Ladle ({env or 'defaults'}) against Ladle ({other_env}), same workload, one after "
-        "the other:",
-        "",
-        "| conc | first tok/s | second tok/s | first / second | first med ITL ms "
-        "| second med ITL ms | first med TTFT ms | second med TTFT ms |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for a, b in zip(ladle, other, strict=False):
-        ratio = a.output_tokens_per_s / b.output_tokens_per_s if b.output_tokens_per_s else 0
-        lines.append(
-            f"| {a.concurrency} | {a.output_tokens_per_s:.1f} | {b.output_tokens_per_s:.1f} "
-            f"| {ratio:.3f} | {a.itl_ms.median:.1f} | {b.itl_ms.median:.1f} "
-            f"| {a.ttft_ms.median:.0f} | {b.ttft_ms.median:.0f} |"
-        )
-    return "\n".join(lines)
+    title = (
+        f"Ladle ({env or 'defaults'}) as first, against Ladle ({other_env}) as second, same "
+        "workload, one after the other:"
+    )
+    return "\n".join([title, "", *pair_table(ladle, other, "first", "second")])
 
 
 PLOT_CODE = """

@@ -11,12 +11,15 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+from shared.background import BackgroundTask
 from worker.engine_thread import EngineThread
 
 logger = logging.getLogger(__name__)
 
 
-class StallWatchdog:
+class StallWatchdog(BackgroundTask):
+    task_name = "engine-watchdog"
+
     def __init__(
         self,
         engine_thread: EngineThread,
@@ -27,7 +30,6 @@ class StallWatchdog:
         self.stall_s = stall_s
         self._hand_back = hand_back
         self.is_stalled = False
-        self._task: asyncio.Task[None] | None = None
 
     def check(self) -> None:
         """Act on a change: stalled -> hand the jobs back; a step ended -> healthy again."""
@@ -45,14 +47,6 @@ class StallWatchdog:
         elif self.is_stalled and stalled_for == 0.0:
             self.is_stalled = False
             logger.warning("engine stepping again: worker healthy")
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="engine-watchdog")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
 
     async def _run(self) -> None:
         while True:

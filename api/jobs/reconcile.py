@@ -21,6 +21,7 @@ from arq.connections import ArqRedis
 from arq.constants import job_key_prefix
 from redis.exceptions import RedisError, WatchError
 
+from shared.background import BackgroundTask
 from shared.contracts import ErrorEvent, JobPayload, JobRecord, encode_event
 from shared.keys import Keys
 from shared.queue import RUN_COMPLETION
@@ -145,9 +146,11 @@ async def reconcile_after_failover(
     return None
 
 
-class FailoverReconciler:
+class FailoverReconciler(BackgroundTask):
     """The API process's watch on the primary: every `every_s` it asks whose run id answers,
     and reconciles the queued jobs after a change (every API process may; it is idempotent)."""
+
+    task_name = "failover-reconciler"
 
     def __init__(
         self,
@@ -160,15 +163,6 @@ class FailoverReconciler:
         self.redis, self.keys, self.job_ttl_s, self.every_s = redis, keys, job_ttl_s, every_s
         self.shards = shards
         self.watch = PrimaryWatch(redis)
-        self._task: asyncio.Task | None = None
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="failover-reconciler")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
 
     async def _run(self) -> None:
         while True:

@@ -24,7 +24,7 @@ THREADS = (1, 2)
 
 
 @pytest.fixture(scope="module", autouse=True)
-def loaded_native(tmp_path_factory):
+def loaded_native():
     if not native.configure(True):  # the machine's cache: one build serves every test
         pytest.skip(f"native kernels unavailable here: {native.status()}")
     previous = torch.get_num_threads()

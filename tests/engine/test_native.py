@@ -32,7 +32,7 @@ pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="CPU kernels")
 
 
 @pytest.fixture(scope="module", autouse=True)
-def loaded_native(tmp_path_factory):
+def loaded_native():
     if not native.configure(True):  # the machine's cache: one build serves every test
         pytest.skip(f"native kernels unavailable here: {native.status()}")
     previous = torch.get_num_threads()
