@@ -103,7 +103,8 @@ def test_attention_row_is_batch_invariant(dtype):
     def attend(num_others: int, threads: int) -> torch.Tensor:
         torch.set_num_threads(threads)
         lens = [rng.randrange(1, 20 * block_size) for _ in range(num_others)]
-        tables = [rng.sample(range(num_blocks), 20) for _ in lens]
+        # others: its own prefill's rows, rows sharing only its first blocks, other tables
+        tables = [_other_table(table, i, rng, num_blocks) for i in range(num_others)]
         at = num_others // 2
         lens.insert(at, probe_len)
         tables.insert(at, table)
@@ -118,6 +119,14 @@ def test_attention_row_is_batch_invariant(dtype):
     for threads in THREADS:
         for num_others in (0, 3, 15, 255):
             assert torch.equal(attend(num_others, threads), reference), (num_others, threads)
+
+
+def _other_table(table: list[int], i: int, rng: random.Random, num_blocks: int) -> list[int]:
+    if i % 3 == 0:
+        return table
+    shared = table[: rng.randrange(len(table))] if i % 3 == 1 else []
+    rest = [b for b in rng.sample(range(num_blocks), num_blocks) if b not in shared]
+    return shared + rest[: len(table) - len(shared)]
 
 
 def test_small_ops_are_batch_invariant():

@@ -191,6 +191,40 @@ def test_paged_decode_with_a_window_matches_eager_attention(window):
     assert torch.equal(alone[0], got[row])
 
 
+@pytest.mark.parametrize("softcap,window", [(50.0, None), (5.0, None), (5.0, 9)])
+def test_paged_decode_with_a_softcap_matches_float32(softcap, window):
+    kv_heads, heads, head_dim, scale = 2, 8, 64, 0.125
+    q, k_cache, v_cache, meta = _decode_case(7, heads, kv_heads, head_dim, seed=int(softcap))
+    q = q * 4  # scores of several units, where tanh's cap bends them
+    starts = meta.decode_starts(window)
+    got = native.attention_rows(
+        q,
+        k_cache,
+        v_cache,
+        meta.decode_block_tables,
+        meta.decode_context_lens,
+        scale,
+        starts,
+        softcap,
+    )
+    for row, length in enumerate(meta.decode_context_lens.tolist()):
+        table = meta.decode_block_tables[row]
+        first = int(starts[row]) if starts is not None else 0
+        slots = [int(table[p // 16]) * 16 + p % 16 for p in range(first, length)]
+        k = k_cache.view(kv_heads, -1, head_dim)[:, slots].float()
+        v = v_cache.view(kv_heads, -1, head_dim)[:, slots].float()
+        qf = q[row].float().view(kv_heads, heads // kv_heads, head_dim)
+        scores = torch.tanh((qf @ k.transpose(1, 2)) * scale / softcap) * softcap
+        expected = scores.softmax(-1) @ v
+        torch.testing.assert_close(
+            got[row].float(), expected.reshape(heads, head_dim), rtol=2**-7, atol=2e-2
+        )
+    uncapped = native.attention_rows(
+        q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale, starts
+    )
+    assert not torch.equal(uncapped, got)
+
+
 def test_paged_decode_refuses_a_table_too_short():
     q, k_cache, v_cache, meta = _decode_case(2, 4, 2, 32, seed=3)
     lens = meta.decode_context_lens.clone()

@@ -217,11 +217,12 @@ def attention_rows(
     context_lens: torch.Tensor,
     scale: float,
     starts: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """`ladle_native.paged_attention_rows`: each row over positions [start, context_len)
-    of its block table (start 0 without `starts`)."""
+    of its block table (start 0 without `starts`), scores soft-capped where `softcap`."""
     return torch.ops.ladle_native.paged_attention_rows(
-        q, k_cache, v_cache, tables, context_lens, scale, starts
+        q, k_cache, v_cache, tables, context_lens, scale, starts, softcap or 0.0
     )
 
 
