@@ -2,7 +2,7 @@
 
     python -m loadtest.grid [--model GGUF] [--servers ladle,ladle-4bit,vllm,llama-server]
         [--shapes chat,rag,long] [--concurrency 1,16,64] [--max-seconds 40]
-        [--md docs/grid-smollm2.md] [--json .cache/grid.json] [--png docs/grid-smollm2.png]
+        [--md .cache/grid.md] [--json .cache/grid.json] [--png docs/grid.png]
 
 Servers, each started once and driven by the same load generator (`loadtest.bench_serve`:
 streaming /v1/completions, random token-id prompts, greedy, ignore_eos):
@@ -161,6 +161,31 @@ def report(results: dict, meta: dict, shapes: list[str], levels: list[int]) -> s
     return "\n".join(lines)
 
 
+PLOT_CODE = """
+import json, sys
+import matplotlib
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+data = json.load(open(sys.argv[1]))
+results, shapes = data["results"], data["meta"]["shapes"]
+fig, axes = plt.subplots(1, len(shapes), figsize=(4.5 * len(shapes), 4), squeeze=False)
+for ax, shape in zip(axes[0], shapes):
+    for server, cells in results.items():
+        rows = cells.get(shape) or []
+        conc = [r["concurrency"] for r in rows]
+        ax.plot(conc, [r["output_tokens_per_s"] for r in rows], "o-", label=server)
+    ax.set_xscale("log", base=2); ax.set_xlabel("concurrency"); ax.grid(alpha=.3)
+    ax.set_title(f"{shape}: output tokens/s"); ax.legend()
+fig.suptitle(f"{data['meta']['model']} on {data['meta']['cpu']['model']}")
+fig.tight_layout(); fig.savefig(sys.argv[2], dpi=110)
+"""
+
+
+def plot(python: Path, json_path: Path, png_path: Path) -> None:
+    """Rendered by the vLLM venv's matplotlib (Ladle's own venv does not need it)."""
+    subprocess.run([str(python), "-c", PLOT_CODE, str(json_path), str(png_path)], check=True)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="a GGUF file (default: the default model's)")
@@ -174,6 +199,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vllm-venv", default=str(ROOT / ".cache" / "vllm-venv"))
     p.add_argument("--md", default=str(ROOT / ".cache" / "grid.md"))
     p.add_argument("--json", dest="json_out", default=str(ROOT / ".cache" / "grid.json"))
+    p.add_argument("--png", default=str(ROOT / "docs" / "grid.png"))
     return p.parse_args(argv)
 
 
@@ -198,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_dir = Path(args.hf_dir) if args.hf_dir else default_hf_dir()
     shapes, levels = args.shapes.split(","), levels_from(args.concurrency)
     meta = {"model": gguf.name, "cpu": lscpu(), "load_before": os.getloadavg()[0]}
-    meta["max_seconds"] = args.max_seconds
+    meta.update(max_seconds=args.max_seconds, shapes=shapes)
     results: dict[str, dict] = {}
     for server in args.servers.split(","):
         print(f"{server}:", flush=True)
@@ -220,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
         s: {k: [r.to_dict() for r in v] for k, v in c.items()} for s, c in results.items()
     }
     Path(args.json_out).write_text(json.dumps({"meta": meta, "results": serialised}, indent=2))
+    with contextlib.suppress(OSError, subprocess.CalledProcessError):
+        plot(Path(args.vllm_venv) / "bin" / "python", Path(args.json_out), Path(args.png))
+        print(f"wrote {args.png}")
     return 0
 
 

@@ -235,6 +235,15 @@ def test_paged_decode_refuses_a_table_too_short():
         )
 
 
+def test_paged_attention_reads_q_in_place_from_a_fused_qkv():
+    _, k_cache, v_cache, meta = _decode_case(5, 8, 2, 64, seed=9)
+    qkv = _bf16(5, 8 + 4, 64, seed=10)
+    q = qkv[:, :8]  # rows strided by the fused output's width
+    args = (k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, 0.125)
+    strided = torch.ops.ladle_native.paged_attention_rows(q, *args)
+    assert torch.equal(strided, torch.ops.ladle_native.paged_attention_rows(q.contiguous(), *args))
+
+
 def test_write_kv_equals_index_copy():
     k_cache, v_cache = _bf16(3, 10, 16, 64, seed=4), _bf16(3, 10, 16, 64, seed=5)
     # strided k/v, as they come out of a fused qkv

@@ -268,7 +268,7 @@ template <class E>
 void attend_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                  const at::Tensor& tables, const int64_t* starts, const int64_t* lens,
                  double scale, double cap, at::Tensor& out) {
-  const int64_t R = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t R = q.size(0), H = q.size(1), D = q.size(2), q_row = q.stride(0);
   const int64_t Hkv = k_cache.size(0), bs = k_cache.size(2);
   const AttendFn<E> fn = attend_for<E>(D);
   TORCH_CHECK(fn != nullptr, "head_dim ", D, " not supported (32, 64, 96, 128, 192, 256)");
@@ -288,7 +288,7 @@ void attend_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
       const Cache c{kp + h * head_cache, vp + h * head_cache, tp + r * max_blocks, bs};
       const int64_t* offs = positions.at(c.table, (lens[r] + bs - 1) / bs, bs, D);
       const Row row{offs, starts ? starts[r] : 0, lens[r]};
-      fn(qp + (r * H + h * G) * D, D, G, c, row, static_cast<float>(scale),
+      fn(qp + r * q_row + h * G * D, D, G, c, row, static_cast<float>(scale),
          static_cast<float>(cap), op + (r * H + h * G) * D, D, scores);
     }
   });
@@ -323,7 +323,10 @@ at::Tensor paged_attention_rows(const at::Tensor& q, const at::Tensor& k_cache,
   TORCH_CHECK(H % Hkv == 0 && H / Hkv <= 16, "query heads per KV head must be <= 16");
   TORCH_CHECK(tables.size(0) == R && context_lens.size(0) == R, "one table and length per row");
   TORCH_CHECK(softcap >= 0.0, "softcap must be >= 0 (0: none)");
-  const at::Tensor qc = q.contiguous(), tc = tables.contiguous(), lc = context_lens.contiguous();
+  // q may be a view of the fused qkv output: rows strided, each row's heads contiguous
+  const bool rows_dense = q.stride(2) == 1 && q.stride(1) == D;
+  const at::Tensor qc = rows_dense ? q : q.contiguous();
+  const at::Tensor tc = tables.contiguous(), lc = context_lens.contiguous();
   const int64_t* lens = lc.data_ptr<int64_t>();
   const int64_t* tp = tc.data_ptr<int64_t>();
   at::Tensor sc;
@@ -369,7 +372,11 @@ void write_kv_bf16(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache
               "k and v must be bf16 [tokens, kv_heads, head_dim] matching the cache");
   TORCH_CHECK(slots.dim() == 1 && slots.size(0) == T && slots.scalar_type() == at::kLong,
               "one int64 slot per token");
-  const at::Tensor kc = k.contiguous(), vc = v.contiguous(), sc = slots.contiguous();
+  // k and v may be views of the fused qkv output: rows strided, each row's heads contiguous
+  const auto dense_rows = [D](const at::Tensor& t) {
+    return t.stride(2) == 1 && t.stride(1) == D ? t : t.contiguous();
+  };
+  const at::Tensor kc = dense_rows(k), vc = dense_rows(v), sc = slots.contiguous();
   const int64_t* sp = sc.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot ", sp[t], " out of range");
@@ -378,11 +385,12 @@ void write_kv_bf16(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache
   auto* kd = reinterpret_cast<uint16_t*>(k_cache.data_ptr());
   auto* vd = reinterpret_cast<uint16_t*>(v_cache.data_ptr());
   const size_t row = static_cast<size_t>(D) * sizeof(uint16_t);
+  const int64_t k_row = kc.stride(0), v_row = vc.stride(0);
   at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       for (int64_t h = 0; h < Hkv; ++h) {
-        std::memcpy(kd + (h * num_slots + sp[t]) * D, ks + (t * Hkv + h) * D, row);
-        std::memcpy(vd + (h * num_slots + sp[t]) * D, vs + (t * Hkv + h) * D, row);
+        std::memcpy(kd + (h * num_slots + sp[t]) * D, ks + t * k_row + h * D, row);
+        std::memcpy(vd + (h * num_slots + sp[t]) * D, vs + t * v_row + h * D, row);
       }
   });
 }
