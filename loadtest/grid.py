@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -99,8 +100,14 @@ def lscpu() -> dict[str, str]:
 
 def bounds(gguf: Path, hf_dir: Path) -> dict[str, float]:
     """One stream's memory bound, tokens/s: bandwidth / the bytes each token reads."""
+    from safetensors import safe_open
+
     bandwidth = stream_bandwidth(1024, 5, os.cpu_count())
-    bf16_bytes = sum(p.stat().st_size for p in hf_dir.glob("*.safetensors"))
+    bf16_bytes = 0  # 2 bytes per parameter, whatever dtype the directory stores
+    for path in hf_dir.glob("*.safetensors"):
+        with safe_open(str(path), "pt") as tensors:
+            shapes = (tensors.get_slice(k).get_shape() for k in tensors.keys())
+            bf16_bytes += sum(2 * math.prod(shape) for shape in shapes)
     return {
         "bandwidth_gb_s": bandwidth / 1e9,
         "bf16_bound_tok_s": bandwidth / bf16_bytes if bf16_bytes else float("nan"),
