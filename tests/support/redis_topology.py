@@ -240,13 +240,15 @@ def _is_free(port: int) -> bool:
 
 
 @contextlib.contextmanager
-def redis_cluster(num_masters: int = 3, base: Path | None = None) -> Iterator[RedisCluster]:
+def redis_cluster(
+    num_masters: int = 3, base: Path | None = None, ports: list[int] | None = None
+) -> Iterator[RedisCluster]:
     """`num_masters` (>= 3, as redis-cli requires) masters, no replicas, all slots covered."""
     with _nodes(base) as (root, nodes):
         for i in range(num_masters):
             node = Node(
                 root / f"master-{i}",
-                port=spare_cluster_port(),
+                port=ports[i] if ports else spare_cluster_port(),
                 args=["--cluster-enabled", "yes", "--cluster-node-timeout", "2000"]
                 + ["--cluster-config-file", str(root / f"master-{i}" / "nodes.conf")],
             )
@@ -269,11 +271,13 @@ def _cluster_ok(node: Node) -> bool:
 
 
 @contextlib.contextmanager
-def redis_shards(num_shards: int, base: Path | None = None) -> Iterator[list[Node]]:
+def redis_shards(
+    num_shards: int, base: Path | None = None, ports: list[int] | None = None
+) -> Iterator[list[Node]]:
     """`num_shards` independent redis-servers (persistence off)."""
     with _nodes(base) as (root, nodes):
         for i in range(num_shards):
-            node = Node(root / f"shard-{i}")
+            node = Node(root / f"shard-{i}", port=ports[i]) if ports else Node(root / f"shard-{i}")
             nodes.append(node)
             node.start()
         yield list(nodes)
