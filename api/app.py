@@ -43,7 +43,7 @@ from shared.keys import Keys
 from shared.metrics import ApiMetrics
 from shared.queue import deserialize_job, serialize_job
 from shared.redis_url import async_pool
-from shared.relay_shards import StreamShards
+from shared.relay_shards import keys_for, stream_shards
 
 
 def _pool_options() -> dict[str, Any]:
@@ -76,11 +76,11 @@ def build_services(
     redis: ArqRedis | None = None,
     tokenizer_loader: Callable[[Settings], Any] | None = None,
 ) -> Services:
-    keys = Keys(settings.key_prefix)
+    keys = keys_for(settings)
     redis = redis if redis is not None else make_redis(settings, keys)
     workers = WorkerDirectory(redis, keys, settings.worker_ttl_s)
     limiter = RateLimiter(redis, keys)
-    shards = StreamShards(redis, settings.relay_redis_urls, **_pool_options())
+    shards = stream_shards(redis, settings, **_pool_options())
     return Services(
         settings=settings,
         keys=keys,

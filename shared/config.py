@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from functools import lru_cache
 from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
 from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -115,6 +116,11 @@ class Settings(BaseSettings):
         default_factory=list,
         description="comma-separated Redis URLs that hold the job streams, by job id hash",
     )
+    relay_redis_cluster_url: str | None = Field(
+        None,
+        description="redis:// or rediss:// URL of any node of a Redis Cluster that holds the "
+        "job streams (instead of LLM_RELAY_REDIS_URLS)",
+    )
     # A batch-only worker group can scale to zero on its lane's queue (deploy/k8s/keda.yaml).
     worker_lanes: Annotated[list[Literal["interactive", "batch"]], NoDecode] = Field(
         default_factory=lambda: ["interactive", "batch"],
@@ -177,6 +183,15 @@ class Settings(BaseSettings):
     batch_max_lines: int = Field(50_000, ge=1, description="most lines in one batch input file")
     batch_poll_s: float = Field(1.0, gt=0, description="how often a batch's results are collected")
     batch_control: bool = Field(True, description="this API process runs batch expansion work")
+
+    @model_validator(mode="after")
+    def _check_relay_cluster(self) -> Settings:
+        url = self.relay_redis_cluster_url
+        if url and self.relay_redis_urls:
+            raise ValueError("set LLM_RELAY_REDIS_URLS or LLM_RELAY_REDIS_CLUSTER_URL, not both")
+        if url and urlsplit(url).scheme not in ("redis", "rediss"):
+            raise ValueError("LLM_RELAY_REDIS_CLUSTER_URL is redis://host:port or rediss://...")
+        return self
 
     @model_validator(mode="after")
     def _check_priority_range(self) -> Settings:

@@ -29,8 +29,7 @@ from shared.contracts import (
     error_event,
 )
 from shared.errors import InvalidRequestError
-from shared.keys import Keys
-from shared.relay_shards import StreamShards
+from shared.relay_shards import keys_for, stream_shards
 from shared.tokenizer import Tokenizer
 from worker.engine.core.sampling_params import SamplingParams
 from worker.engine.embedding import EmbeddingEngine, EmbeddingRequest
@@ -66,8 +65,8 @@ class WorkerService:
         self.engine = engine
         self.redis = redis
         self.worker_id = worker_id
-        self.keys = Keys(settings.key_prefix)
-        shards = StreamShards(redis, settings.relay_redis_urls, socket_connect_timeout=2.0)
+        self.keys = keys_for(settings)
+        shards = stream_shards(redis, settings, socket_connect_timeout=2.0)
         self.store = JobWriter(
             redis, self.keys, settings.job_ttl_s, settings.stream_maxlen, shards=shards
         )
