@@ -14,15 +14,10 @@ from typing import Any
 
 from api.errors import APIError
 from api.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIRequest
-from api.openai.tools import (
-    named_call_schema,
-    render_tool_messages,
-    required_calls_schema,
-    template_takes_tools,
-    tool_format,
-)
+from api.openai.tools import named_call_schema, render_tool_messages, required_calls_schema
 from shared.contracts import StructuredSpec, ToolCallSpec
 from shared.grammar import GrammarError, GrammarKind, build_grammar, close_objects
+from shared.tool_format import template_takes_tools, tokenizer_tool_format
 
 log = logging.getLogger(__name__)
 _INVALID = "invalid_parameter"
@@ -121,7 +116,7 @@ def _tool_choice(request: OpenAIRequest) -> tuple[ToolCallSpec | None, dict[str,
     if choice == "none":
         return None, None
     if choice in (None, "auto"):
-        return ToolCallSpec(mode="auto"), None
+        return ToolCallSpec(mode="auto", names=[t["function"]["name"] for t in tools]), None
     if choice == "required":
         schema = required_calls_schema(tools, request.parallel_tool_calls)
         return ToolCallSpec(mode="required"), schema
@@ -145,12 +140,14 @@ def chat_inputs(tokenizer: Any, request: ChatCompletionRequest) -> tuple[list[di
 
 def with_tool_format(spec: ToolCallSpec | None, tokenizer: Any) -> ToolCallSpec | None:
     """The auto parser's format, from the model's template (the fallback prompt is Hermes)."""
-    if spec is None or spec.mode != "auto" or not _takes_tools(tokenizer):
+    if spec is None or spec.mode != "auto":
         return spec
-    template = getattr(tokenizer.hf, "chat_template", None)
-    return spec.model_copy(
-        update={"format": tool_format(template if isinstance(template, str) else None)}
-    )
+    return spec.model_copy(update={"format": _tool_format(tokenizer)})
+
+
+@functools.lru_cache(maxsize=8)
+def _tool_format(tokenizer: Any) -> str:
+    return tokenizer_tool_format(tokenizer)
 
 
 @functools.lru_cache(maxsize=8)

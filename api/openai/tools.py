@@ -13,7 +13,7 @@ answer is a JSON array of `{"name", "parameters"}` calls, or the named function'
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any
 
 from shared.grammar import close_objects
 
@@ -23,26 +23,6 @@ FALLBACK_TOOLS_PROMPT = (
     'each holding {{"name": <function-name>, "arguments": <arguments-object>}}, and nothing '
     "else. Results come back in <tool_response></tool_response>."
 )
-_PROBE_TOOL = {"type": "function", "function": {"name": "probe_tool_x", "parameters": {}}}
-
-
-def template_takes_tools(render: Any) -> bool:
-    """Whether `render(messages, tools=...)` (a chat_text) uses its `tools` argument."""
-    messages = [{"role": "user", "content": "x"}]
-    try:
-        return render(messages, tools=[_PROBE_TOOL]) != render(messages)
-    except ValueError:
-        return False
-
-
-def tool_format(chat_template: str | None) -> Literal["hermes", "llama3"]:
-    """The format a model answers calls in, read from its template (Hermes by default)."""
-    template = chat_template or ""
-    if "<tool_call>" not in template and ("<|python_tag|>" in template or "ipython" in template):
-        return "llama3"
-    return "hermes"
-
-
 def render_tool_messages(
     messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, takes_tools: bool
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
