@@ -23,6 +23,8 @@ FALLBACK_TOOLS_PROMPT = (
     'each holding {{"name": <function-name>, "arguments": <arguments-object>}}, and nothing '
     "else. Results come back in <tool_response></tool_response>."
 )
+
+
 def render_tool_messages(
     messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, takes_tools: bool
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:

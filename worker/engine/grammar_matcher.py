@@ -112,20 +112,27 @@ def _ll_tokenizer(hf_tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) 
 
 
 def _plain_added_tokens(spec: dict[str, Any]) -> None:
-    """Move non-special added ASCII tokens (Qwen's `<tool_call>`) into a byte-level BPE
-    vocabulary. llguidance treats every added token as special, so a grammar that spells
-    `<tool_call>` was offered that token and then refused it (the sequence ended early)."""
+    """Make non-special added ASCII tokens (Qwen's `<tool_call>`) plain text to llguidance.
+
+    llguidance treats every added token as special, so a grammar that spells `<tool_call>`
+    could not use that token. They move into the byte-level BPE vocabulary; every added token
+    goes there too, under its own id, since the tokenizers library gives an added token that
+    is not in the vocabulary the next free id (it shifted `<|im_end|>` and the others by the
+    number moved). The special ones stay listed as added, so they stay special."""
     model = spec.get("model") or {}
     if model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
         return
-    kept = []
-    for token in spec.get("added_tokens", []):
-        text = token["content"]
-        if not token["special"] and text.isascii() and text.isprintable() and " " not in text:
-            model["vocab"][text] = token["id"]
-        else:
-            kept.append(token)
-    spec["added_tokens"] = kept
+    added = spec.get("added_tokens", [])
+    plain = [t for t in added if not t["special"] and _spellable(t["content"])]
+    if not plain:
+        return
+    for token in added:
+        model["vocab"].setdefault(token["content"], token["id"])
+    spec["added_tokens"] = [t for t in added if t not in plain]
+
+
+def _spellable(text: str) -> bool:
+    return text.isascii() and text.isprintable() and " " not in text
 
 
 _executor: Any = None
