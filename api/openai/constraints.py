@@ -13,6 +13,7 @@ import logging
 from typing import Any
 
 from api.errors import APIError
+from api.openai.auto_tools import CONSTRAINED_FORMATS, auto_tools_lark
 from api.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIRequest
 from api.openai.tools import named_call_schema, render_tool_messages, required_calls_schema
 from shared.contracts import StructuredSpec, ToolCallSpec
@@ -126,6 +127,21 @@ def _tool_choice(request: OpenAIRequest) -> tuple[ToolCallSpec | None, dict[str,
         message = f"tool_choice names {choice.function.name!r}, which is not in tools"
         raise APIError(400, message, param="tool_choice", code=_INVALID)
     return ToolCallSpec(mode="named", function=choice.function.name), schema
+
+
+def auto_tools_spec(
+    request: OpenAIRequest, structured: StructuredSpec | None, tool_spec: ToolCallSpec | None
+) -> StructuredSpec | None:
+    """Under `auto`, with no other constraint, the grammar of "text, or a well-formed call"
+    for the model's format (`api/openai/auto_tools.py`); else `structured` as it is."""
+    if structured is not None or tool_spec is None or tool_spec.mode != "auto":
+        return structured
+    if tool_spec.format not in CONSTRAINED_FORMATS or not isinstance(
+        request, ChatCompletionRequest
+    ):
+        return structured
+    tools = [tool.model_dump(by_alias=True) for tool in request.tools or []]
+    return _compile("grammar", auto_tools_lark(tools), "tools", "tool_calls")
 
 
 def chat_inputs(tokenizer: Any, request: ChatCompletionRequest) -> tuple[list[dict], dict]:

@@ -74,7 +74,7 @@ def required_calls_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[s
             "type": "object",
             "properties": {
                 "name": {"const": tool["function"]["name"]},
-                "parameters": _parameters(tool),
+                "parameters": call_parameters(tool),
             },
             "required": ["name", "parameters"],
             "additionalProperties": False,
@@ -89,10 +89,10 @@ def named_call_schema(tools: list[dict[str, Any]], name: str) -> dict[str, Any] 
     """JSON schema of the named function's arguments, or None if no tool has that name."""
     for tool in tools:
         if tool["function"]["name"] == name:
-            return _parameters(tool)
+            return call_parameters(tool)
     return None
 
 
-def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
+def call_parameters(tool: dict[str, Any]) -> dict[str, Any]:
     """A forced call's argument schema, closed as OpenAI's strict function calling is."""
     return close_objects(tool["function"].get("parameters") or {"type": "object", "properties": {}})

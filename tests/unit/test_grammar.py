@@ -67,23 +67,9 @@ def test_forced_calls_are_one_or_at_most_the_parallel_cap() -> None:
 
 @pytest.fixture(scope="module")
 def accepts(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
-    """accepts(grammar, text): whether the grammar allows all of `text` (byte-level tokens)."""
-    from llguidance import LLMatcher
-    from transformers import AutoTokenizer
+    from tests.support.grammar_accepts import byte_acceptor
 
-    from tests.support.tiny_bytes import MODEL_VOCAB, add_byte_tokenizer
-    from worker.engine.grammar_matcher import _ll_tokenizer
-
-    directory = tmp_path_factory.mktemp("bytes")
-    add_byte_tokenizer(directory)
-    hf = AutoTokenizer.from_pretrained(str(directory))
-    ll_tokenizer = _ll_tokenizer(hf, MODEL_VOCAB, [hf.eos_token_id])
-
-    def check(grammar: str, text: str) -> bool:
-        ids = hf.encode(text, add_special_tokens=False)
-        return LLMatcher(ll_tokenizer, grammar).validate_tokens(ids) == len(ids)
-
-    return check
+    return byte_acceptor(tmp_path_factory.mktemp("bytes"))
 
 
 DIGITS_40 = "1" * 40

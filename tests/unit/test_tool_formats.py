@@ -110,3 +110,54 @@ def test_text_then_hermes_blocks_streams_the_text_first() -> None:
     assert deltas[0] == {"content": "Let me check"}  # the first piece, sent before the call
     assert message["content"] == "Let me check."
     assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == ARGS
+
+
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius"]}},
+            "required": ["city"],
+        },
+    },
+}
+BLOCK = "<tool_call>\n" + json.dumps(CALL) + "\n</tool_call>"
+
+
+@pytest.fixture(scope="module")
+def auto_grammar_accepts(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    from api.openai.auto_tools import auto_tools_lark
+    from shared.grammar import build_grammar
+    from tests.support.grammar_accepts import byte_acceptor
+
+    accepts = byte_acceptor(tmp_path_factory.mktemp("bytes"))
+    grammar = build_grammar("grammar", auto_tools_lark([TOOL]))
+    return lambda text: accepts(grammar, text)
+
+
+@pytest.mark.parametrize(
+    ("text", "allowed"),
+    [
+        ("The weather tool needs a city.", True),  # text is free
+        ("```python\nprint({1: 2})\n```", True),
+        ("a { b } <tool_ c", True),
+        (json.dumps(CALL), True),  # a started call must be a well-formed call
+        ("\n" + json.dumps({"name": "get_weather", "parameters": ARGS}), True),
+        ("```json\n" + json.dumps(CALL) + "\n```", True),
+        ("Let me check.\n" + BLOCK, True),
+        (BLOCK + "\n" + BLOCK, True),
+        (json.dumps({"city": "Paris"}), False),  # JSON that is not a call
+        (json.dumps({"name": "launch", "arguments": {}}), False),  # an undeclared tool
+        ('{"name": "get_weather", "arguments": {"city": "Paris", "extra": 1}}', False),
+        ("```json\n" + json.dumps({"a": 1}), False),
+        ("<tool_call>\n" + json.dumps({"name": "get_weather"}), False),
+        (BLOCK + " and some text", False),  # only more calls after a call
+        ('{"name": "get_weather", "arguments": {"city": "P", "unit": "kelvin"}}', False),
+    ],
+)
+def test_auto_constrains_a_call_once_started(
+    auto_grammar_accepts, text: str, allowed: bool
+) -> None:
+    assert auto_grammar_accepts(text) is allowed

@@ -10,8 +10,6 @@ preempted request keeps its output tokens, so its matcher stays in step without 
 
 from __future__ import annotations
 
-import copy
-import json
 import logging
 import threading
 from collections import OrderedDict
@@ -22,6 +20,7 @@ import numpy as np
 import torch
 
 from shared.grammar import GrammarError, check_grammar, grammar_key
+from worker.engine.grammar_tokenizer import ll_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +62,7 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-tokenizer")
         self._tokenizer: Future[Any] = self._pool.submit(
-            _ll_tokenizer, hf_tokenizer, vocab_size, eos_token_ids
+            ll_tokenizer, hf_tokenizer, vocab_size, eos_token_ids
         )
 
     def matcher(self, grammar: str) -> GrammarMatcher:
@@ -94,45 +93,6 @@ class GrammarCompiler:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _ll_tokenizer(hf_tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> Any:
-    """llguidance's view of a fast HF tokenizer (what `llguidance.hf.from_tokenizer` does,
-    with non-special added tokens made plain, see `_plain_added_tokens`)."""
-    import llguidance
-
-    backend = copy.copy(hf_tokenizer.backend_tokenizer)
-    backend.no_padding()
-    backend.no_truncation()
-    spec = json.loads(backend.to_str())
-    _plain_added_tokens(spec)
-    return llguidance.LLTokenizer(
-        json.dumps(spec), n_vocab=vocab_size, eos_token=eos_token_ids or None
-    )
-
-
-def _plain_added_tokens(spec: dict[str, Any]) -> None:
-    """Make non-special added ASCII tokens (Qwen's `<tool_call>`) plain text to llguidance.
-
-    llguidance treats every added token as special, so a grammar that spells `<tool_call>`
-    could not use that token. They move into the byte-level BPE vocabulary; every added token
-    goes there too, under its own id, since the tokenizers library gives an added token that
-    is not in the vocabulary the next free id (it shifted `<|im_end|>` and the others by the
-    number moved). The special ones stay listed as added, so they stay special."""
-    model = spec.get("model") or {}
-    if model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
-        return
-    added = spec.get("added_tokens", [])
-    plain = [t for t in added if not t["special"] and _spellable(t["content"])]
-    if not plain:
-        return
-    for token in added:
-        model["vocab"].setdefault(token["content"], token["id"])
-    spec["added_tokens"] = [t for t in added if t not in plain]
-
-
-def _spellable(text: str) -> bool:
-    return text.isascii() and text.isprintable() and " " not in text
 
 
 _executor: Any = None
