@@ -183,7 +183,9 @@ def test_auto_makes_a_started_call_well_formed(
 ) -> None:
     """Under auto, a message that starts with `{` must become a call to a declared tool:
     a bias makes the random model start (and keep writing `{` wherever JSON allows it)."""
-    model = client.models.list().data[0].id
+    listed = client.models.list().data[0]
+    assert listed.tool_format == "hermes"  # read from the template at load
+    model = listed.id
     [brace] = load_tokenizer(str(byte_model)).encode("{", add_special_tokens=False)
     body = dict(model=model, messages=USER, tools=TOOLS, tool_choice="auto", max_tokens=200)
     for seed in range(3):
