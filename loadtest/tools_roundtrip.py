@@ -157,7 +157,7 @@ def run_model(base_url: str) -> dict[str, Any]:
 def service(model: str | None) -> Iterator[str]:
     from loadtest.bench_serve import running_service
 
-    with running_service(model=model, extra_env={"LLM_LOG_LEVEL": "WARNING"}) as base_url:
+    with running_service(model=model, ready_timeout_s=1200.0) as base_url:
         yield base_url
 
 

@@ -166,7 +166,7 @@ class ToolCallParser:
 
     def _whole_call(self, body: str) -> list[dict[str, Any]]:
         """A closed block whose JSON did not start with the name: read it whole."""
-        calls = _json_calls(body.strip(), False)
+        calls = _json_calls(body.strip(), False) or _json_calls(body.strip(), True)
         if calls is None:
             return [{"content": OPEN + body + CLOSE}]
         return [self._call(name, args) for name, args in calls]

@@ -56,6 +56,7 @@ WHOLE_CALLS = [
     "<|tool_call|>" + json.dumps([CALL]) + "<|/tool_call|>",  # Phi-4-mini
     "functools" + json.dumps([CALL]),
     "<tool_call>\n" + json.dumps(CALL) + "\n</tool_call>",  # Hermes
+    "<tool_call>" + json.dumps([CALL]) + "</tool_call>",  # SmolLM2's list in a tag
 ]
 
 
