@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
 from shared.errors import InvalidRequestError
+from shared.tool_format import ToolFormat
 
 WIRE_VERSION = 1
 
@@ -117,14 +118,16 @@ class StructuredSpec(BaseModel):
 class ToolCallSpec(BaseModel):
     """How the API reads tool calls out of a chat job's text (`api/tool_calls.py`).
 
-    `auto`: parsed from free output in the model's format (`hermes` <tool_call> JSON or
-    `llama3` JSON); `required`: the output is a grammar-constrained JSON array of calls;
-    `named`: the output is the arguments of `function`, grammar-constrained.
+    `auto`: parsed from free output in the model's format (`shared/tool_format.py`); a
+    message that is exactly a call to one of `names` (bare, fenced or tagged) is a call too;
+    `required`: the output is a grammar-constrained JSON array of calls; `named`: the output
+    is the arguments of `function`, grammar-constrained.
     """
 
     mode: Literal["auto", "required", "named"]
-    format: Literal["hermes", "llama3"] = "hermes"
+    format: ToolFormat = "hermes"
     function: str | None = None
+    names: list[str] = Field(default_factory=list)  # the declared tools (auto)
 
 
 class PoolingSpec(BaseModel):
@@ -345,6 +348,7 @@ class WorkerRecord(_Wire):
     # empty: any size up to `embedding_size`)
     embedding_size: int = 0
     matryoshka_dimensions: list[int] | None = None
+    tool_format: ToolFormat | None = None  # the chat template's tool-call syntax
     device: str
     dtype: str
     compiled: bool = False  # forward compiled by inductor (LLM_COMPILE)
@@ -401,6 +405,7 @@ class ModelInfo(_Wire):
     task: ModelTask = "generate"
     embedding_size: int = 0
     matryoshka_dimensions: list[int] | None = None
+    tool_format: ToolFormat | None = None
 
     @classmethod
     def of(cls, record: WorkerRecord) -> ModelInfo:
@@ -411,6 +416,7 @@ class ModelInfo(_Wire):
             task=record.task,
             embedding_size=record.embedding_size,
             matryoshka_dimensions=record.matryoshka_dimensions,
+            tool_format=record.tool_format,
         )
 
 

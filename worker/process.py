@@ -22,7 +22,8 @@ from shared.metrics import WorkerMetrics
 from shared.queue import deserialize_job, serialize_job
 from shared.redis_url import arq_redis_settings
 from shared.retry import FOREVER, Backoff, retry
-from shared.tokenizer import load_tokenizer
+from shared.tokenizer import Tokenizer, load_tokenizer
+from shared.tool_format import tokenizer_tool_format
 from worker.arq_adapter import LadleWorker, lane_workers
 from worker.engine.config import EngineConfig
 from worker.engine.embedding import EmbeddingEngine, build_embedding_engine
@@ -67,7 +68,7 @@ class WorkerProcess:
         heartbeat = Heartbeat(
             pool,
             self.keys,
-            self._record(engine, service.engine_thread.stats),
+            self._record(engine, service.engine_thread.stats, tokenizer),
             s.heartbeat_interval_s,
             s.worker_ttl_s,
             stats=lambda: _stats(service, recorder),
@@ -126,10 +127,14 @@ class WorkerProcess:
             logger.error("the arq poll loop ended (%r); stopping", exc)
             self._stopping.set()
 
-    def _record(self, engine: LLMEngine | EmbeddingEngine, stats: EngineStats) -> WorkerRecord:
+    def _record(
+        self, engine: LLMEngine | EmbeddingEngine, stats: EngineStats, tokenizer: Tokenizer
+    ) -> WorkerRecord:
         pooling = engine.model_info() if isinstance(engine, EmbeddingEngine) else {}
+        tools = None if pooling else tokenizer_tool_format(tokenizer)
         return WorkerRecord(
             **pooling,
+            tool_format=tools,
             worker_id=self.worker_id,
             host=socket.gethostname(),
             pid=os.getpid(),
