@@ -246,10 +246,17 @@ def _run(args, num_streams, rate, main_url, stream_nodes, cluster) -> Result:  #
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--client", choices=("real", "raw"), default="real")
+    parser.add_argument(
+        "--client",
+        choices=("real", "raw"),
+        default="real",
+        help="real: Ladle's Publisher and Relay; raw: the same commands over plain sockets",
+    )
     parser.add_argument("--streams", default="100,1000,5000", help="comma-separated levels")
     parser.add_argument("--rates", default="20", help="comma-separated tokens/s per stream")
-    parser.add_argument("--batch", type=int, default=32, help="streams per synthetic worker")
+    parser.add_argument(
+        "--batch", type=int, default=32, help="streams per synthetic worker (real clients)"
+    )
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--warmup-s", type=float, default=5.0)
     parser.add_argument("--publishers", type=int, default=2, help="publishing processes")

@@ -49,8 +49,11 @@ def _stream_completion(svc: Service, body: dict) -> tuple[str, list[str]]:
 def test_streams_in_a_cluster(tiny_service_model: Path, tmp_path: Path) -> None:
     expected = expected_text(tiny_service_model, MAX_TOKENS)
     with redis_cluster(3, tmp_path / "cluster") as cluster:
-        svc = start_service(
-            tiny_service_model, tmp_path / "logs", relay_redis_cluster_url=cluster.url
+        svc = start_service(  # a worker stopped for a moment stays listed (the cancel below)
+            tiny_service_model,
+            tmp_path / "logs",
+            relay_redis_cluster_url=cluster.url,
+            worker_ttl_s=30,
         )
         try:
             job_ids = _streamed_jobs_arrive_whole(svc, expected)
@@ -108,10 +111,11 @@ def _streams_live_in_the_cluster(svc: Service, cluster: RedisCluster, job_ids: l
 
 
 def _cancel_reaches_the_cluster(svc: Service, cluster: RedisCluster) -> None:
+    with svc.client() as http:
+        model = http.get("/v1/models").json()["data"][0]["id"]
     svc.signal_worker(0, signal.SIGSTOP)  # the job stays queued
     try:
         with svc.client() as http:
-            model = http.get("/v1/models").json()["data"][0]["id"]
             job = {"url": "/v1/completions", "body": {"model": model, "prompt": PROMPT}}
             job_id = http.post("/v1/jobs", json=job).json()["id"]
             assert http.delete(f"/v1/jobs/{job_id}").json()["status"] == "cancelled"
