@@ -90,7 +90,7 @@ async def agreement(servers: dict[str, str], model: str) -> dict[str, float]:
 def measure(servers: dict[str, str], args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     for batch in args.batch_sizes:
-        texts = sentences(max(256, 4 * batch))
+        texts = sentences(max(args.inputs, 2 * batch))
         best: dict[str, tuple[float, float]] = {name: (0.0, 0.0) for name in servers}
         for _ in range(args.rounds):
             for name, base_url in servers.items():
@@ -167,6 +167,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-sizes", default="1,32,256", type=lambda s: list(map(int, s.split(","))))
     p.add_argument("--concurrency", type=int, default=1, help="clients per level (1)")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--inputs", type=int, default=256, help="per level, at least 2 batches")
     p.add_argument("--venv", default=str(ROOT / ".cache" / "vllm-venv"))
     p.add_argument("--vllm-version", default="0.32.0")
     p.add_argument("--install-timeout", type=float, default=1500.0)
