@@ -261,13 +261,7 @@ def plot(venv: Path, json_path: Path, png_path: Path) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--venv", default=str(ROOT / ".cache" / "vllm-venv"))
-    p.add_argument("--vllm-version", default="0.32.0")
-    p.add_argument("--install-timeout", type=float, default=1500.0)
-    p.add_argument("--ready-timeout", type=float, default=600.0)
-    p.add_argument("--kv-space", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE GiB (2)")
-    p.add_argument("--omp-bind", default="auto", help="VLLM_CPU_OMP_THREADS_BIND (auto)")
-    p.add_argument("--no-preload", action="store_true", help="no LD_PRELOAD of iomp/tcmalloc")
+    add_vllm_arguments(p, kv_space=2)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=64, help="as Ladle's max batch (64)")
     p.add_argument("--num-prompts", type=int, default=64)
@@ -295,6 +289,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--no-single-stream", action="store_true", help="skip llama.cpp vs Ladle")
     return p.parse_args(argv)
+
+
+def add_vllm_arguments(p: argparse.ArgumentParser, kv_space: int) -> None:
+    """Where vLLM is installed and how it is started, for every comparison with it."""
+    p.add_argument("--venv", default=str(ROOT / ".cache" / "vllm-venv"))
+    p.add_argument("--vllm-version", default="0.32.0")
+    p.add_argument("--install-timeout", type=float, default=1500.0)
+    p.add_argument("--ready-timeout", type=float, default=600.0)
+    p.add_argument(
+        "--kv-space", type=int, default=kv_space, help=f"VLLM_CPU_KVCACHE_SPACE GiB ({kv_space})"
+    )
+    p.add_argument("--omp-bind", default="auto", help="VLLM_CPU_OMP_THREADS_BIND (auto)")
+    p.add_argument("--no-preload", action="store_true", help="no LD_PRELOAD of iomp/tcmalloc")
 
 
 def ladle_env(pairs: list[str]) -> dict[str, str]:

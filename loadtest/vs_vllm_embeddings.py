@@ -33,7 +33,13 @@ import httpx
 
 from loadtest.bench_embeddings import cpu_model, sentences
 from loadtest.bench_serve import running_service
-from loadtest.vs_vllm import ROOT, VllmUnavailable, ensure_vllm, serving_vllm, vllm_env
+from loadtest.vs_vllm import (
+    VllmUnavailable,
+    add_vllm_arguments,
+    ensure_vllm,
+    serving_vllm,
+    vllm_env,
+)
 
 
 async def timed_level(
@@ -168,13 +174,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=1, help="clients per level (1)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--inputs", type=int, default=256, help="per level, at least 2 batches")
-    p.add_argument("--venv", default=str(ROOT / ".cache" / "vllm-venv"))
-    p.add_argument("--vllm-version", default="0.32.0")
-    p.add_argument("--install-timeout", type=float, default=1500.0)
-    p.add_argument("--ready-timeout", type=float, default=600.0)
-    p.add_argument("--kv-space", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE GiB (1)")
-    p.add_argument("--omp-bind", default="auto", help="VLLM_CPU_OMP_THREADS_BIND (auto)")
-    p.add_argument("--no-preload", action="store_true", help="no LD_PRELOAD of iomp/tcmalloc")
+    add_vllm_arguments(p, kv_space=1)
     p.add_argument("--vllm-url", help="a vLLM already serving the model (its /v1 URL)")
     p.add_argument("--vllm-option", action="append", default=[], help="more `vllm serve` flags")
     p.add_argument("--ladle-env", action="append", default=[], metavar="KEY=VALUE")
