@@ -34,8 +34,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 @dataclass
-class LoadedModel:
-    """A model ready to run, and what the engine needs to know about it."""
+class LoadedWeights:
+    """What every loaded model has, a generator or a pooling model."""
 
     model: nn.Module
     hf_config: Any
@@ -43,6 +43,12 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     max_model_len: int
+
+
+@dataclass
+class LoadedModel(LoadedWeights):
+    """A generator ready to run, and what the engine needs to know about it."""
+
     eos_token_ids: list[int]
     quantization: str = "none"
 
@@ -153,14 +159,13 @@ def load_model(
             quantize_linears(model, quantization)
         model.post_load()
     model.eval()
-    log.info(
-        "loaded %s (%s, %s, quantization %s, %s) in %.1fs",
+    log_loaded(
         model_dir,
+        started,
         type(model).__name__,
         torch_dtype,
-        quantization,
+        f"quantization {quantization}",
         torch_device,
-        time.perf_counter() - started,
     )
     return LoadedModel(
         model=model,
@@ -172,6 +177,12 @@ def load_model(
         eos_token_ids=eos_token_ids(model_dir, config),
         quantization=quantization,
     )
+
+
+def log_loaded(model_dir: Path, started: float, *details: object) -> None:
+    """One line a load, for a generator or a pooling model: from where, as what, how long."""
+    described = ", ".join(str(detail) for detail in details)
+    log.info("loaded %s (%s) in %.1fs", model_dir, described, time.perf_counter() - started)
 
 
 def _read_config(model_dir: Path, auto_config: Any) -> Any:
