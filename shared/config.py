@@ -117,6 +117,11 @@ class Settings(BaseSettings):
     prefix_routing_hold_ms: int = Field(
         250, ge=0, description="how long a routed job waits for its worker before anyone takes it"
     )
+    prefix_routing_max_imbalance: int = Field(
+        3,
+        ge=0,
+        description="sequences a worker may have beyond the least busy and still be routed to",
+    )
     # Token streams spread over these Redis instances (shared/relay_shards.py); empty: on
     # LLM_REDIS_URL with everything else.
     relay_redis_urls: Annotated[list[str], NoDecode] = Field(

@@ -377,6 +377,8 @@ class PrefixFingerprint(_Wire):
     filter: str  # base64 of the filter's bytes
     num_blocks: int = 0  # cached blocks in the filter
     room: int = 0  # interactive jobs it would take now
+    running: int = 0  # sequences in the engine
+    waiting: int = 0
     published_at: float = Field(default_factory=time.time)
 
 

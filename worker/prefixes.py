@@ -55,6 +55,8 @@ class PrefixPublisher:
             filter=self._filter.encode(),
             num_blocks=len(hashes),
             room=self._room(),
+            running=stats.num_running,
+            waiting=stats.num_waiting,
         )
 
     def write(self, pipe: Pipeline) -> None:

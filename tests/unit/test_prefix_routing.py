@@ -10,8 +10,9 @@ import random
 import fakeredis
 from arq.connections import ArqRedis
 
-from api.jobs.routing import choose_worker
+from api.jobs.routing import PrefixRouter, choose_worker
 from shared.contracts import PrefixFingerprint
+from shared.keys import Keys
 from shared.prefixes import PrefixFilter, filter_bits_for, prompt_block_hashes
 from worker.engine.core.block_manager import BlockManager
 from worker.engine.core.request import Request
@@ -61,7 +62,7 @@ def test_the_filter_holds_what_was_added_and_little_else() -> None:
     assert filter_bits_for(0) == 1024 and filter_bits_for(10**9) == 1 << 20
 
 
-def _print(worker_id: str, token_ids: list[int], room: int = 4) -> PrefixFingerprint:
+def _fingerprint(worker_id: str, token_ids: list[int], **load: int) -> PrefixFingerprint:
     built = PrefixFilter.of(prompt_block_hashes(token_ids, BLOCK), 1024)
     return PrefixFingerprint(
         worker_id=worker_id,
@@ -69,7 +70,9 @@ def _print(worker_id: str, token_ids: list[int], room: int = 4) -> PrefixFingerp
         block_size=BLOCK,
         num_bits=1024,
         filter=built.encode(),
-        room=room,
+        room=load.get("room", 4),
+        running=load.get("running", 0),
+        published_at=0.0,
     )
 
 
@@ -78,28 +81,51 @@ TURN_1 = SYSTEM + list(range(20, 33))
 TURN_2 = TURN_1 + list(range(40, 50))
 
 
+def _choose(prints: list[PrefixFingerprint], tokens: list[int], num_workers: int = 2) -> str | None:
+    router = PrefixRouter(None, Keys("p"), None, enabled=True, max_imbalance=2)  # type: ignore[arg-type]
+    return choose_worker(router._candidates(prints, tokens), num_workers, 2, random.Random(0))
+
+
 def test_a_prompt_goes_to_the_worker_holding_most_of_it() -> None:
-    prints = [_print("a", SYSTEM + [0]), _print("b", TURN_1 + [0])]
-    assert choose_worker(prints, TURN_2, 2) == "b"
-    assert choose_worker(prints, SYSTEM + list(range(60, 70)), 2) is None  # a tie: anyone
-    assert choose_worker(prints, list(range(200, 230)), 2) is None  # nobody holds it
+    prints = [_fingerprint("a", SYSTEM + [0]), _fingerprint("b", TURN_1 + [0])]
+    assert _choose(prints, TURN_2) == "b"
+    holders = [_fingerprint("a", TURN_1 + [0], running=2), _fingerprint("b", TURN_1 + [0])]
+    assert _choose(holders, TURN_2) == "b"  # equal hits: the less busy
 
 
-def test_a_worker_without_a_fingerprint_holds_nothing() -> None:
-    assert choose_worker([_print("a", SYSTEM + [0])], TURN_2, 2) == "a"
-    assert choose_worker([_print("a", SYSTEM + [0])], TURN_2, 1) is None  # nobody to prefer
+def test_new_conversations_spread_over_the_least_busy() -> None:
+    prints = [_fingerprint("a", SYSTEM + [0], running=1), _fingerprint("b", SYSTEM + [0])]
+    assert _choose(prints, SYSTEM + list(range(60, 70))) == "b"
+    idle = [_fingerprint("a", [0]), _fingerprint("b", [0])]
+    assert {_choose(idle, list(range(200, 230))) for _ in range(20)} <= {"a", "b"}
 
 
-def test_a_full_worker_is_not_routed_to_and_ties_go_to_the_roomiest() -> None:
-    full = [_print("a", SYSTEM + [0]), _print("b", TURN_1 + [0], room=0)]
-    assert choose_worker(full, TURN_2, 2) is None
-    tie = [_print("a", TURN_1 + [0], room=1), _print("b", TURN_1 + [0], room=3)]
-    assert choose_worker([*tie, _print("c", SYSTEM + [0])], TURN_2, 3) == "b"
+def test_a_busy_or_full_holder_is_passed_over() -> None:
+    busy = [_fingerprint("a", SYSTEM + [0]), _fingerprint("b", TURN_1 + [0], running=3)]
+    assert _choose(busy, TURN_2) == "a"  # 3 sequences more than a: beyond the imbalance
+    full = [_fingerprint("a", SYSTEM + [0], room=0), _fingerprint("b", TURN_1 + [0], room=0)]
+    assert _choose(full, TURN_2) is None  # nobody has room: anyone may take it
+
+
+def test_a_worker_without_a_fingerprint_counts_as_idle() -> None:
+    assert _choose([_fingerprint("a", TURN_1 + [0])], TURN_2) == "a"
+    assert _choose([_fingerprint("a", TURN_1 + [0], running=3)], TURN_2) is None
+    assert _choose([_fingerprint("a", TURN_1 + [0])], TURN_2, num_workers=1) is None
+
+
+def test_jobs_routed_since_a_fingerprint_count_as_load() -> None:
+    router = PrefixRouter(None, Keys("p"), None, enabled=True, max_imbalance=2)  # type: ignore[arg-type]
+    prints = [_fingerprint("a", TURN_1 + [0]), _fingerprint("b", SYSTEM + [0])]
+    for _ in range(3):
+        router._note_routed("a")
+    (a, b) = router._candidates(prints, TURN_2)
+    assert (a.load, a.room, b.load) == (3, 1, 0)
+    assert choose_worker([a, b], 2, 2) == "b"
 
 
 def test_a_damaged_fingerprint_counts_as_holding_nothing() -> None:
-    bad = _print("a", TURN_1 + [0]).model_copy(update={"filter": "not base64!"})
-    assert choose_worker([bad, _print("b", SYSTEM + [0])], TURN_2, 2) == "b"
+    bad = _fingerprint("a", TURN_1 + [0]).model_copy(update={"filter": "not base64!"})
+    assert _choose([bad, _fingerprint("b", SYSTEM + [0])], TURN_2) == "b"
 
 
 def test_a_routed_job_is_held_for_its_worker_until_the_hold_ends() -> None:
@@ -108,7 +134,6 @@ def test_a_routed_job_is_held_for_its_worker_until_the_hold_ends() -> None:
     from api.keys.limits import RateLimiter
     from shared.config import Settings
     from shared.contracts import JobPayload
-    from shared.keys import Keys
 
     async def scenario() -> None:
         redis = ArqRedis(connection_pool=fakeredis.FakeAsyncRedis().connection_pool)
