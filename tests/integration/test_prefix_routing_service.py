@@ -4,6 +4,7 @@ elsewhere once its hold ends."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import time
@@ -13,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from loadtest import multiturn
 from shared.contracts import PrefixFingerprint
 from shared.keys import Keys
 from shared.redis_url import sync_client
@@ -112,3 +114,15 @@ def test_routed_jobs_finish_like_any_other(two_workers: Service) -> None:
         jobs = [_poll(http, job_id, timeout=60) for job_id in job_ids]
     assert [job["status"] for job in jobs] == ["completed"] * 6
     assert len({job["response"]["choices"][0]["text"] for job in jobs}) == 1
+
+
+def test_the_multiturn_loadtest_measures_hits_and_routing(two_workers: Service) -> None:
+    """A smoke run of `python -m loadtest.multiturn` on the tiny service."""
+    argv = ["--conversations", "2", "--turns", "2", "--max-tokens", "4", "--question-words", "5"]
+    args = multiturn.parse_args(argv)
+    result = asyncio.run(multiturn.run_conversations(f"{two_workers.base_url}/v1", args, True))
+    row = multiturn.summary(result)
+    assert (row["requests"], row["errors"]) == (4, 0)
+    assert row["possible_tokens_turns_2plus"] > 0
+    assert row["routed"] == row["routed_taken_by_holder"] > 0
+    assert "| on |" in multiturn.format_rows([row])
