@@ -8,8 +8,8 @@ Every op computes a row the same way whatever else is in the call (`gemm.h`).
 The shared object is cached under `{cache}/native/`, keyed by the source, the CPU's model and
 flags, torch's version and the compiler's, so a restart on the same machine loads it in
 milliseconds (a first build takes ~20 s). `make install` builds it once more into the
-environment (`python -m worker.layers.native`, under `{sys.prefix}/share/ladle/native/`),
-where a start with an empty cache finds it under the same name.
+environment (`python -m worker.prepare`, under `{sys.prefix}/share/ladle/native/`), where a
+start with an empty cache finds it under the same name.
 
 Nothing depends on it: where there is no compiler, the build fails, or the CPU lacks the
 instructions, `load` says why in one log line and returns False, and the kernels built on it
@@ -25,14 +25,13 @@ import os
 import platform
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from shared.model_files import cache_root
+from shared.model_files import cache_root, installed_root
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +107,7 @@ def library_path(cache_dir: str | None, compiler: str) -> Path:
 
 def installed_dir() -> Path:
     """Where `make install` puts the build (inside the environment, beside its packages)."""
-    return Path(sys.prefix) / "share" / "ladle" / "native"
+    return installed_root() / "native"
 
 
 def _build(compiler: str, output: Path) -> None:
