@@ -63,11 +63,27 @@ def run_once(cache_dir: Path, model: str | None, timeout_s: float) -> dict[str, 
             )
         try:
             ready_s = _wait_ready(f"http://127.0.0.1:{port}/ready", proc, started, timeout_s)
+            cpu_s = session_cpu_seconds(proc.pid)
         finally:
             stop_process(proc)
     if ready_s is None:
         raise RuntimeError(f"not ready after {timeout_s:.0f} s; log tail:\n{tail(log_path)}")
-    return {"ready_s": round(ready_s, 2), **milestones(log_path, started_wall)}
+    return {"ready_s": round(ready_s, 2), "cpu_s": cpu_s, **milestones(log_path, started_wall)}
+
+
+def session_cpu_seconds(session_id: int) -> float:
+    """CPU seconds used so far by every process of the run (its own session), with their
+    finished children (the compiler): on a busy machine wall time says little, this less."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == session_id:  # field 6 of stat: the session id
+            total += sum(int(f) for f in fields[11:15])  # utime stime cutime cstime
+    return round(total / ticks, 1)
 
 
 def _wait_ready(url: str, proc: subprocess.Popen, started: float, timeout_s: float) -> float | None:
@@ -102,12 +118,13 @@ def milestones(log_path: Path, started_wall: float) -> dict[str, float]:
 def format_rows(rows: list[dict[str, Any]]) -> str:
     names = list(MILESTONES.values())
     lines = [
-        "| start | " + " | ".join(names) + " | /ready |",
-        "|---" * (len(names) + 2) + "|",
+        "| start | " + " | ".join(names) + " | /ready | CPU s | load |",
+        "|---" * (len(names) + 4) + "|",
     ]
     for row in rows:
         cells = [f"{row[n]:.1f}" if n in row else "-" for n in names]
-        lines.append(f"| {row['start']} | " + " | ".join(cells) + f" | **{row['ready_s']:.1f}** |")
+        end = f" | **{row['ready_s']:.1f}** | {row['cpu_s']:.0f} | {row['load']} |"
+        lines.append(f"| {row['start']} | " + " | ".join(cells) + end)
     return "\n".join(lines)
 
 

@@ -22,7 +22,7 @@ from tests.integration.test_service import _poll
 from tests.support.harness import Service, start_service
 
 BLOCK = 16
-HOLD_MS = 300
+HOLD_MS = 3000  # long: on a loaded machine a worker may take a while to poll
 
 
 @pytest.fixture(scope="module")
@@ -124,5 +124,5 @@ def test_the_multiturn_loadtest_measures_hits_and_routing(two_workers: Service) 
     row = multiturn.summary(result)
     assert (row["requests"], row["errors"]) == (4, 0)
     assert row["possible_tokens_turns_2plus"] > 0
-    assert row["routed"] == row["routed_taken_by_holder"] > 0
+    assert row["routed"] == row["routed_taken_by_holder"] == 4
     assert "| on |" in multiturn.format_rows([row])
