@@ -63,7 +63,7 @@ def run_once(cache_dir: Path, model: str | None, timeout_s: float) -> dict[str, 
             )
         try:
             ready_s = _wait_ready(f"http://127.0.0.1:{port}/ready", proc, started, timeout_s)
-            cpu_s = session_cpu_seconds(proc.pid)
+            cpu_s = tree_cpu_seconds(proc.pid)
         finally:
             stop_process(proc)
     if ready_s is None:
@@ -71,19 +71,26 @@ def run_once(cache_dir: Path, model: str | None, timeout_s: float) -> dict[str, 
     return {"ready_s": round(ready_s, 2), "cpu_s": cpu_s, **milestones(log_path, started_wall)}
 
 
-def session_cpu_seconds(session_id: int) -> float:
-    """CPU seconds used so far by every process of the run (its own session), with their
-    finished children (the compiler): on a busy machine wall time says little, this less."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    total = 0
+def tree_cpu_seconds(root_pid: int) -> float:
+    """CPU seconds used so far by `root_pid` and every process under it (the supervisor
+    starts its children in sessions of their own), with their finished children (the
+    compiler): on a busy machine wall time says little, this less."""
+    stats: dict[int, tuple[int, int]] = {}  # pid -> (parent pid, clock ticks)
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[3]) == session_id:  # field 6 of stat: the session id
-            total += sum(int(f) for f in fields[11:15])  # utime stime cutime cstime
-    return round(total / ticks, 1)
+        ticks = sum(int(f) for f in fields[11:15])  # utime stime cutime cstime
+        stats[int(stat.parent.name)] = (int(fields[1]), ticks)
+    tree, todo = {root_pid}, [root_pid]
+    while todo:
+        parent = todo.pop()
+        children = [pid for pid, (ppid, _) in stats.items() if ppid == parent]
+        tree.update(children)
+        todo.extend(children)
+    total = sum(stats[pid][1] for pid in tree if pid in stats)
+    return round(total / os.sysconf("SC_CLK_TCK"), 1)
 
 
 def _wait_ready(url: str, proc: subprocess.Popen, started: float, timeout_s: float) -> float | None:
