@@ -33,6 +33,7 @@ def two_workers(
         tiny_service_model,
         tmp_path_factory.mktemp("logs"),
         num_workers=2,
+        ready_timeout_s=300.0,  # two workers starting at once on a busy machine
         prefix_routing_hold_ms=HOLD_MS,
     )
     yield svc
