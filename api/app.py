@@ -26,6 +26,7 @@ from api.jobs import routes as job_routes
 from api.jobs.idempotency import IdempotencyStore
 from api.jobs.reconcile import FailoverReconciler
 from api.jobs.relay import Relay
+from api.jobs.routing import PrefixRouter
 from api.jobs.store import JobStore
 from api.jobs.workers import WorkerDirectory
 from api.keys.keyring import KeyRingHolder
@@ -92,7 +93,20 @@ def build_services(
             max_buffered=settings.stream_buffer_events,
             shards=shards,
         ),
-        jobs=JobStore(redis, keys, settings, limiter, shards),
+        jobs=JobStore(
+            redis,
+            keys,
+            settings,
+            limiter,
+            shards,
+            router=PrefixRouter(
+                redis,
+                keys,
+                workers,
+                settings.prefix_routing,
+                settings.prefix_routing_max_imbalance,
+            ),
+        ),
         workers=workers,
         tokenizer=TokenizerHolder(settings, tokenizer_loader, workers.source),
         metrics=ApiMetrics(),

@@ -110,6 +110,19 @@ class Settings(BaseSettings):
     )
     worker_max_queued: int = Field(4, ge=0, description="jobs taken beyond what can run now")
     worker_metrics_port: int = Field(9101, ge=0, description="worker /metrics port; 0: off")
+    # Cache-aware routing (api/jobs/routing.py): a request goes to the worker that holds the
+    # longest prefix of its prompt, which has it to itself for a short hold.
+    prefix_routing: bool = Field(
+        True, description="route a request to the worker whose prefix cache holds its prompt"
+    )
+    prefix_routing_hold_ms: int = Field(
+        250, ge=0, description="how long a routed job waits for its worker before anyone takes it"
+    )
+    prefix_routing_max_imbalance: int = Field(
+        3,
+        ge=0,
+        description="sequences a worker may have beyond the least busy and still be routed to",
+    )
     # Token streams spread over these Redis instances (shared/relay_shards.py); empty: on
     # LLM_REDIS_URL with everything else.
     relay_redis_urls: Annotated[list[str], NoDecode] = Field(

@@ -370,6 +370,22 @@ class WorkerRecord(_Wire):
     heartbeat_at: float = Field(default_factory=time.time)
 
 
+class PrefixFingerprint(_Wire):
+    """What a worker's prefix cache holds (`Keys.prefixes`): a Bloom filter of the chained
+    hashes of its cached full blocks (`shared/prefixes.py`), and its room for jobs."""
+
+    worker_id: str
+    model: str
+    block_size: int
+    num_bits: int
+    filter: str  # base64 of the filter's bytes
+    num_blocks: int = 0  # cached blocks in the filter
+    room: int = 0  # interactive jobs it would take now
+    running: int = 0  # sequences in the engine
+    waiting: int = 0
+    published_at: float = Field(default_factory=time.time)
+
+
 ChildState = Literal["running", "restarting", "given_up", "stopped"]
 
 
@@ -459,6 +475,8 @@ class JobRecord(_Wire):
     request_id: str | None = None
     attempts: int = 0
     worker_id: str | None = None
+    # the worker the job was held for, whose prefix cache held most of its prompt
+    routed_to: str | None = None
     created_at: float = Field(default_factory=time.time)
     started_at: float | None = None
     finished_at: float | None = None

@@ -88,6 +88,10 @@ class Keys:
     def worker(self, worker_id: str) -> str:
         return f"{self.prefix}:worker:{worker_id}"
 
+    def prefixes(self, worker_id: str) -> str:
+        """String, TTL: the worker's `PrefixFingerprint` JSON (what its prefix cache holds)."""
+        return f"{self.prefix}:prefixes:{worker_id}"
+
     # Per-job keys carry the job id as a hash tag (`{id}`): a Redis Cluster puts all of one
     # job's keys in one slot, and a sharded relay picks a job's shard from the same id.
     def job(self, job_id: str) -> str:
@@ -104,6 +108,11 @@ class Keys:
             return f"{self.prefix}:stream:{{{job_id}}}"
         tag = group_tag(stream_group(job_id, self.stream_groups), self.stream_groups)
         return f"{self.prefix}:stream:{{{tag}}}:{job_id}"
+
+    def routed(self, job_id: str) -> str:
+        """String, expiring when the hold ends: the worker a queued job is held for (its
+        prefix cache holds the prompt); other workers leave the job alone until then."""
+        return f"{self.prefix}:routed:{{{job_id}}}"
 
     def cancelled(self, job_id: str) -> str:
         """Set when a job is cancelled, so a worker picking it up later skips it."""

@@ -24,7 +24,7 @@ from shared.redis_url import arq_redis_settings
 from shared.retry import FOREVER, Backoff, retry
 from shared.tokenizer import Tokenizer, load_tokenizer
 from shared.tool_format import tokenizer_tool_format
-from worker.arq_adapter import LadleWorker, lane_workers
+from worker.arq_adapter import LadleWorker, admission_capacity, lane_workers
 from worker.engine.config import EngineConfig
 from worker.engine.embedding import EmbeddingEngine, build_embedding_engine
 from worker.engine.engine import EngineStats, LLMEngine
@@ -32,6 +32,7 @@ from worker.engine_thread import EngineHost
 from worker.heartbeat import Heartbeat, default_worker_id
 from worker.metrics import WorkerMetricsRecorder
 from worker.models.pooling_loader import is_pooling_model
+from worker.prefixes import PrefixPublisher
 from worker.service import WorkerService
 
 logger = logging.getLogger("worker")
@@ -65,6 +66,7 @@ class WorkerProcess:
             s, engine, tokenizer, pool, self.worker_id, recorder, engine_host=host
         )
         service.start()
+        service.prefixes = self._prefix_publisher(pool, service)
         heartbeat = Heartbeat(
             pool,
             self.keys,
@@ -76,6 +78,7 @@ class WorkerProcess:
             status=lambda: service.status,
             restore=service.restore_records,
             generated_tokens=lambda: recorder.num_generation_tokens,
+            prefixes=service.prefixes,
         )
         heartbeat.start()
         self._serve_metrics(metrics)
@@ -126,6 +129,23 @@ class WorkerProcess:
             exc = None if runner.cancelled() else runner.exception()
             logger.error("the arq poll loop ended (%r); stopping", exc)
             self._stopping.set()
+
+    def _prefix_publisher(self, pool: ArqRedis, service: WorkerService) -> PrefixPublisher | None:
+        """What the prefix cache holds, for the API's router (a generating model's, if on)."""
+        s = self.settings
+        if not (s.prefix_routing and s.enable_prefix_caching) or not isinstance(
+            service.engine, LLMEngine
+        ):
+            return None
+        return PrefixPublisher(
+            pool,
+            self.keys,
+            self.worker_id,
+            s.model_id,
+            s.worker_ttl_s,
+            stats=lambda: service.engine_thread.stats,
+            room=lambda: admission_capacity(service, "interactive"),
+        )
 
     def _record(
         self, engine: LLMEngine | EmbeddingEngine, stats: EngineStats, tokenizer: Tokenizer

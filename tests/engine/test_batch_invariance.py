@@ -157,6 +157,32 @@ def test_invariant_plan_gives_each_group_one_kernel(tmp_path):
         assert set(by_bucket.values()) <= {"native", "amx"}, group
 
 
+def test_one_invariant_kernel_per_group_is_used_without_timing(tmp_path, monkeypatch):
+    """Without AMX each group has one invariant kernel: nothing to time, nothing to cache."""
+    from tests.support.tiny_models import tiny_model_dir
+    from worker.engine import autotune
+    from worker.models.loader import load_model
+
+    path = tiny_model_dir("llama", tmp_path, hidden_size=128, intermediate_size=256)
+    model = load_model(str(path), dtype="bfloat16", device="cpu").model
+    names = [n for n in autotune.kernel_names() if n != "amx"]
+    monkeypatch.setattr(autotune, "kernel_names", lambda: names)
+
+    def no_timing(*args: object, **kwargs: object) -> None:
+        raise AssertionError("timed")
+
+    monkeypatch.setattr(autotune, "measure_plan", no_timing)
+    plan = autotune.choose_kernels(model, "auto", 16, 2, str(tmp_path), invariant=True)
+    assert plan.invariant and plan.source == "only invariant kernel" and plan.threads == {}
+    assert {n for by_bucket in plan.kernels.values() for n in by_bucket.values()} == {"native"}
+    assert not (tmp_path / "kernels").exists()
+    monkeypatch.setattr(autotune, "kernel_names", lambda: [*names, "amx"])
+    layer = next(iter(autotune.linear_groups(model).values()))[0]
+    if autotune.build_kernel("amx", layer.weight, layer.bias) is not None:  # a real choice
+        with pytest.raises(AssertionError, match="timed"):
+            autotune.choose_kernels(model, "auto", 16, 2, str(tmp_path), invariant=True)
+
+
 def test_eager_float32_small_ops_are_batch_invariant():
     """float32 models run torch's own norms, SiLU-mul and rotary (no native ones): per row."""
     from worker.layers.activation import SiluAndMul

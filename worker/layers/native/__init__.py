@@ -7,7 +7,9 @@ loads them with `torch.ops.load_library`; the ops then live under `torch.ops.lad
 Every op computes a row the same way whatever else is in the call (`gemm.h`).
 The shared object is cached under `{cache}/native/`, keyed by the source, the CPU's model and
 flags, torch's version and the compiler's, so a restart on the same machine loads it in
-milliseconds (a first build takes ~20 s).
+milliseconds (a first build takes ~20 s). `make install` builds it once more into the
+environment (`python -m worker.prepare`, under `{sys.prefix}/share/ladle/native/`), where a
+start with an empty cache finds it under the same name.
 
 Nothing depends on it: where there is no compiler, the build fails, or the CPU lacks the
 instructions, `load` says why in one log line and returns False, and the kernels built on it
@@ -24,11 +26,12 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 
-from shared.model_files import cache_root
+from shared.model_files import cache_root, installed_root
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +105,11 @@ def library_path(cache_dir: str | None, compiler: str) -> Path:
     return cache_root(cache_dir) / "native" / f"ladle_native-{key.hexdigest()[:16]}.so"
 
 
+def installed_dir() -> Path:
+    """Where `make install` puts the build (inside the environment, beside its packages)."""
+    return installed_root() / "native"
+
+
 def _build(compiler: str, output: Path) -> None:
     """Compile every source at once (one process each), then link; atomic for the target."""
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -146,19 +154,34 @@ def load(cache_dir: str | None = None) -> bool:
     else:
         try:
             path = library_path(cache_dir, compiler)
+            installed = installed_dir() / path.name
+            path = installed if not path.exists() and installed.exists() else path
             built = not path.exists()
+            started = time.perf_counter()
             if built:
                 _build(compiler, path)
             torch.ops.load_library(str(path))
             loaded = bool(torch.ops.ladle_native.available())
             reason = "" if loaded else "this CPU has no AVX512-BF16"
-            logger.info("native kernels %s %s", "built at" if built else "loaded from", path)
+            how = "built at" if built else "loaded from"
+            logger.info("native kernels %s %s (%.1f s)", how, path, time.perf_counter() - started)
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
             reason = f"build or load failed: {exc}"
     _state.update(loaded=loaded, reason=reason)
     if not loaded:
         logger.info("native kernels not used: %s", reason)
     return loaded
+
+
+def prebuild(into: Path) -> Path | None:
+    """Build into `into` (install time), under the name a start looks for; None: no compiler."""
+    compiler = _compiler()
+    if compiler is None:
+        return None
+    path = into / library_path(None, compiler).name
+    if not path.exists():
+        _build(compiler, path)
+    return path
 
 
 def configure(enabled: bool, cache_dir: str | None = None) -> bool:
