@@ -225,6 +225,21 @@ def guarded(run: Callable[[], dict], server: str) -> dict | None:
         return None
 
 
+def write(results: dict, meta: dict, shapes: list[str], levels: list[int], args) -> str:
+    """The markdown report and the JSON of every cell so far; returns the markdown."""
+    meta["load_after"] = os.getloadavg()[0]
+    meta.setdefault("bounds", {"bandwidth_gb_s": math.nan, "bf16_bound_tok_s": math.nan})
+    meta["bounds"].setdefault("gguf_bound_tok_s", math.nan)
+    markdown = report(results, meta, shapes, levels)
+    Path(args.md).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.md).write_text(markdown + "\n")
+    serialised = {
+        s: {k: [r.to_dict() for r in v] for k, v in c.items()} for s, c in results.items()
+    }
+    Path(args.json_out).write_text(json.dumps({"meta": meta, "results": serialised}, indent=2))
+    return markdown
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     gguf = Path(args.model) if args.model else default_gguf()
@@ -243,16 +258,9 @@ def main(argv: list[str] | None = None) -> int:
         cells = guarded(run, server)
         if cells is not None:
             results[server] = cells
-    meta["load_after"] = os.getloadavg()[0]
+            write(results, meta, shapes, levels, args)  # a run cut short keeps what it has
     meta["bounds"] = bounds(gguf, hf_dir)
-    markdown = report(results, meta, shapes, levels)
-    print("\n" + markdown)
-    Path(args.md).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.md).write_text(markdown + "\n")
-    serialised = {
-        s: {k: [r.to_dict() for r in v] for k, v in c.items()} for s, c in results.items()
-    }
-    Path(args.json_out).write_text(json.dumps({"meta": meta, "results": serialised}, indent=2))
+    print("\n" + write(results, meta, shapes, levels, args))
     with contextlib.suppress(OSError, subprocess.CalledProcessError):
         plot(Path(args.vllm_venv) / "bin" / "python", Path(args.json_out), Path(args.png))
         print(f"wrote {args.png}")
