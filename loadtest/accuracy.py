@@ -12,8 +12,8 @@
 4. Perplexity of every variant (float32 included) on a fixed English text kept in the repo,
    scored in consecutive windows of `--window` tokens (each window's first token unscored).
 
-A variant is a dtype (`float32`, `bfloat16`) or a quantization (`int8`, `int4`, run with
-bf16 embeddings, norms and lm_head, the default dtype on CPUs with native bf16; `int8/float32`
+A variant is a dtype (`float32`, `bfloat16`) or a quantization (`int8`, `int4`, `auto`: a
+GGUF's tensors as the file holds them; run with bf16 embeddings, norms and lm_head, the default dtype on CPUs with native bf16; `int8/float32`
 keeps those in float32).
 Prompts: the chat template over short varied user questions (real text, not random ids).
 """
@@ -60,7 +60,7 @@ TEMPLATES = [
 ]
 FREE_RUN_TOKENS = 16
 DEFAULT_TEXT = Path(__file__).resolve().parent / "data" / "english.txt"
-QUANTIZED = ("int8", "int4")
+QUANTIZED = ("auto", "int8", "int4")
 
 
 def questions(count: int) -> list[str]:
