@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from worker.models.gguf_names import EXPERT_NAMES
+from worker.models.gguf_names import is_expert_stack
 
 
 def _field(reader: Any, key: str) -> Any:
@@ -30,9 +30,7 @@ def _tensor(reader: Any, name: str) -> list[float] | None:
 def _dense_layers(reader: Any) -> list[int]:
     """Layers whose MLP is dense (no expert tensors) in a file that has experts."""
     layers = {int(t.name.split(".")[1]) for t in reader.tensors if t.name.startswith("blk.")}
-    sparse = {
-        int(t.name.split(".")[1]) for t in reader.tensors if t.name.split(".")[2] in EXPERT_NAMES
-    }
+    sparse = {int(t.name.split(".")[1]) for t in reader.tensors if is_expert_stack(t.name)}
     return sorted(layers - sparse)
 
 
