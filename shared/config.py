@@ -38,9 +38,10 @@ class Settings(BaseSettings):
     served_model_name: str | None = None
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    quantization: Literal["none", "int8", "int4"] = Field(
-        "none",
-        description="weight-only int8 (per channel) or int4 (groups of 32) projections, CPU",
+    quantization: Literal["auto", "none", "int8", "int4"] = Field(
+        "auto",
+        description="weight-only int8 (per channel) or int4 (groups of 32) projections, CPU; "
+        "auto: as a GGUF holds them (4-bit in int4, 5-8-bit in int8) on a bf16 CPU, else none",
     )
     max_batch_size: int = Field(64, ge=1, description="cap on running sequences")
     max_num_batched_tokens: int = Field(1024, ge=16, description="token budget per step")

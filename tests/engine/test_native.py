@@ -89,10 +89,8 @@ def test_int4_matches_the_dequantized_weight(out_features, in_features):
     weight = quantize_int4(torch.randn(out_features, in_features))
     kernel = Int4Kernel(weight, None)
     assert kernel.name == "int4-native" and kernel.native_packed is not None
-    # what both int4 kernels compute with: bf16 scales and zeros, w = (q - 8) s + z
-    scales = weight.scales.bfloat16().float().repeat_interleave(32, 1)
-    zeros = (weight.mins + 8 * weight.scales).bfloat16().float().repeat_interleave(32, 1)
-    dequantized = (weight.values.float() - 8) * scales + zeros
+    # the native kernel holds the float32 scales and mins themselves: w = q s + m
+    dequantized = weight.dequantize()
     for rows in (1, 2, 7, 16, 17, 33):
         x = _bf16(rows, in_features, seed=rows)
         expected = x.float() @ dequantized.T

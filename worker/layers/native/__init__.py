@@ -259,19 +259,19 @@ def int4_packable(out_features: int, in_features: int, group_size: int) -> bool:
     return loaded() and group_size == 32 and out_features % 16 == 0 and in_features % 32 == 0
 
 
-def pack_int4(values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
-    """int4 [N, K] (0..15) with per-group scale and zero ([N, K/32]; w = (q - 8) s + z) ->
-    uint8 [N/16, K/32, 320], the layout `ladle_native.gemm_int4` streams: per block of 16
+def pack_int4(values: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """int4 [N, K] (0..15) with per-group scale and min ([N, K/32]; w = q s + m) ->
+    uint8 [N/16, K/32, 384], the layout `ladle_native.gemm_int4` streams: per block of 16
     rows and group, 8 chunks of 32 bytes holding k-pairs 2c (low nibbles) and 2c+1 (high)
-    as in `pack_bf16`, then the 16 rows' bf16 scales, then their bf16 zeros."""
+    as in `pack_bf16`, then the 16 rows' float32 scales, then their float32 mins."""
     n, k = values.shape
     blocks, groups = n // 16, k // 32
     # (block, row, group, chunk, nibble, e) -> (block, group, chunk, nibble, row, e)
     q = values.to(torch.uint8).reshape(blocks, 16, groups, 8, 2, 2).permute(0, 2, 3, 4, 1, 5)
     nibbles = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).reshape(blocks, groups, 256)
 
-    def per_row(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [blocks, G, 32] bf16 bytes
-        rows = t.to(torch.bfloat16).reshape(blocks, 16, groups).permute(0, 2, 1).contiguous()
-        return rows.view(torch.uint8).reshape(blocks, groups, 32)
+    def per_row(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [blocks, G, 64] float32 bytes
+        rows = t.to(torch.float32).reshape(blocks, 16, groups).permute(0, 2, 1).contiguous()
+        return rows.view(torch.uint8).reshape(blocks, groups, 64)
 
-    return torch.cat([nibbles, per_row(scales), per_row(zeros)], dim=2).contiguous()
+    return torch.cat([nibbles, per_row(scales), per_row(mins)], dim=2).contiguous()
