@@ -130,6 +130,7 @@ def test_int4_kernel_on_q4_k_is_the_dequantized_matmul(typed_gguf) -> None:
     path, raw = typed_gguf
     piece = next(p for _, p in gguf_entries(path, {"model_type": "qwen2"}) if p.kind == "Q4_K")
     weight = quantized_linear(piece, "int4")
+    native.configure(True)  # an engine built earlier in this process may have turned them off
     kernel = Int4Kernel(weight, None)
     assert kernel.name == "int4-native" and kernel.native_packed is not None
     scales, mins = _unpacked_meta(kernel.native_packed, ROWS)
