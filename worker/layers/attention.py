@@ -50,8 +50,10 @@ class PagedAttention(nn.Module):
         """Attend over (and write into) these caches from now on, on the native kernel where
         it serves them (chosen here, once)."""
         self.k_cache, self.v_cache = k_cache, v_cache
-        # the native row kernel takes a window as each row's first position; not soft-capping
-        self.native_rows = self.softcap is None and rows_supported(k_cache, self.num_heads)
+        # the native row kernel takes a window as each row's first position; it soft-caps
+        # scores once its schema has a `softcap` argument (until then such layers are eager)
+        capped_ok = self.softcap is None or native.attention_softcap_supported()
+        self.native_rows = capped_ok and rows_supported(k_cache, self.num_heads)
         self.layer_id = torch.tensor(handle_of(self))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -174,6 +176,7 @@ def _decode(
             meta.decode_context_lens,
             options.scale,
             meta.decode_starts(options.window),
+            options.softcap,
         )
     if meta.decode_mask is None:
         raise RuntimeError("rows without a mask need the native attention kernel")

@@ -209,6 +209,15 @@ def attention_supported(head_dim: int, group: int) -> bool:
     return head_dim in (32, 64, 96, 128, 192, 256) and 1 <= group <= 16
 
 
+def attention_softcap_supported() -> bool:
+    """Whether `paged_attention_rows` soft-caps scores itself (a `softcap` argument in its
+    schema); until it does, a soft-capping layer (Gemma 2) attends eagerly."""
+    if not loaded():
+        return False
+    schema = torch.ops.ladle_native.paged_attention_rows.default._schema
+    return any(argument.name == "softcap" for argument in schema.arguments)
+
+
 def attention_rows(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -217,12 +226,15 @@ def attention_rows(
     context_lens: torch.Tensor,
     scale: float,
     starts: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """`ladle_native.paged_attention_rows`: each row over positions [start, context_len)
-    of its block table (start 0 without `starts`)."""
-    return torch.ops.ladle_native.paged_attention_rows(
-        q, k_cache, v_cache, tables, context_lens, scale, starts
-    )
+    of its block table (start 0 without `starts`), scores soft-capped where `softcap` is set
+    (only where `attention_softcap_supported`)."""
+    op = torch.ops.ladle_native.paged_attention_rows
+    if softcap is None:
+        return op(q, k_cache, v_cache, tables, context_lens, scale, starts)
+    return op(q, k_cache, v_cache, tables, context_lens, scale, starts, softcap=softcap)
 
 
 def amx_usable(out_features: int, in_features: int) -> bool:
