@@ -47,6 +47,7 @@ async def chat_completions(
 @router.get("/v1/models", dependencies=[Depends(require_api_key)])
 async def models(services: ServicesDep) -> dict:
     served = await services.workers.models()
+    described = await services.workers.descriptions()
     data = [
         {
             "id": name,
@@ -55,6 +56,7 @@ async def models(services: ServicesDep) -> dict:
             "owned_by": "ladle",
             "root": name,
             "max_model_len": max_model_len,
+            **described.get(name, {}),
         }
         for name, max_model_len in sorted(served.items())
     ]
