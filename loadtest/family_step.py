@@ -81,7 +81,7 @@ def active_bytes(model: torch.nn.Module) -> int:
     total = weight_bytes_per_token(model)
     for module in model.modules():
         if isinstance(module, SparseMoE):
-            experts = weight_bytes_per_token(module.experts)
+            experts = sum(p.numel() * p.element_size() for p in module.experts.parameters())
             total -= experts - experts * module.spec.top_k // module.spec.num_experts
     return total
 

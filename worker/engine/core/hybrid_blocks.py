@@ -48,10 +48,13 @@ class HybridBlockManager:
         )
         self.window = window
         self.block_size = block_size
-        self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
 
     # ---- what the scheduler and the engine read (the full pool's) ------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        return self.full.num_blocks
 
     @property
     def num_free_blocks(self) -> int:
