@@ -57,14 +57,18 @@ def reference(path: Path, max_tokens: int) -> list[dict]:
     return out
 
 
-def served(up: UpProcess, model: str, max_tokens: int) -> list[dict]:
+def served(up: UpProcess, max_tokens: int) -> list[dict]:
     out = []
     with httpx.Client(timeout=600) as http:
+        model = http.get(f"{up.base_url}/v1/models").json()["data"][0]["id"]  # the file's stem
         for prompt in PROMPTS:
             body = {"model": model, "prompt": prompt, "max_tokens": max_tokens}
             body |= {"temperature": 0, "ignore_eos": True}
-            completion = http.post(f"{up.base_url}/v1/completions", json=body).json()
+            response = http.post(f"{up.base_url}/v1/completions", json=body)
             tokens = http.post(f"{up.base_url}/tokenize", json={"model": model, "prompt": prompt})
+            response.raise_for_status()
+            tokens.raise_for_status()
+            completion = response.json()
             out.append(
                 {
                     "prompt_ids": tokens.json()["tokens"],
@@ -118,7 +122,7 @@ def main() -> None:
             with httpx.Client(timeout=10) as http:
                 up.wait_ready(http, 1, timeout=args.ready_timeout)
             print(f"ready in {time.monotonic() - started:.0f} s, load {os.getloadavg()}")
-            ours = served(up, str(path), args.max_tokens)
+            ours = served(up, args.max_tokens)
         finally:
             up.stop()
             redis.terminate()
