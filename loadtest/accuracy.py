@@ -12,10 +12,11 @@
 4. Perplexity of every variant (float32 included) on a fixed English text kept in the repo,
    scored in consecutive windows of `--window` tokens (each window's first token unscored).
 
-A variant is a dtype (`float32`, `bfloat16`) or a quantization (`int8`, `int4`, run with
-bf16 embeddings, norms and lm_head, the default dtype on CPUs with native bf16; `int8/float32`
-keeps those in float32).
-Prompts: the chat template over short varied user questions (real text, not random ids).
+A variant is a dtype (`float32`, `bfloat16`) or a quantization (`int8`, `int4`, `auto`: a
+GGUF's tensors as the file holds them; run with bf16 embeddings, norms and lm_head, the
+default dtype on CPUs with native bf16; `int8/float32` keeps those in float32).
+Prompts: the chat template over short varied user questions (real text, not random ids), or
+the questions as plain text for a model without a chat template (a base model).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ TEMPLATES = [
 ]
 FREE_RUN_TOKENS = 16
 DEFAULT_TEXT = Path(__file__).resolve().parent / "data" / "english.txt"
-QUANTIZED = ("int8", "int4")
+QUANTIZED = ("auto", "int8", "int4")
 
 
 def questions(count: int) -> list[str]:
@@ -132,11 +133,18 @@ def perplexity(llm: LLM, tokens: list[int], window: int) -> float:
     return math.exp(nll / count)
 
 
+def answer(llm: LLM, prompts: list[str], params: SamplingParams) -> list:
+    """Each question through the chat template, or as plain text for a model without one."""
+    if getattr(llm.engine.tokenizer.hf, "chat_template", None):
+        return llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    return llm.generate(prompts, params)
+
+
 def evaluate(args: argparse.Namespace) -> dict:
     reference_llm = build_llm(args.model, "float32")
-    conversations = [[{"role": "user", "content": q}] for q in questions(args.num_prompts)]
+    conversations = questions(args.num_prompts)
     greedy = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
-    reference = reference_llm.chat(conversations, greedy)
+    reference = answer(reference_llm, conversations, greedy)
     sequences = [r.prompt_token_ids + r.outputs[0].token_ids for r in reference]
     starts = [len(r.prompt_token_ids) for r in reference]
     expected = [r.outputs[0].token_ids for r in reference]
@@ -149,7 +157,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     for variant in args.variants.split(","):
         llm = build_llm(args.model, variant)
         agree, total = top1_agreement(llm, sequences, starts, expected)
-        free = llm.chat(conversations, greedy)
+        free = answer(llm, conversations, greedy)
         same = sum(
             f.outputs[0].token_ids[:FREE_RUN_TOKENS] == e[:FREE_RUN_TOKENS]
             for f, e in zip(free, expected, strict=True)

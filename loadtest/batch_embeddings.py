@@ -19,18 +19,14 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 
-from loadtest.batch_load import cleanup, done, machine, ttfts, wait_batch
+from loadtest.batch_load import cleanup, done, machine, start_up, ttfts, wait_batch
 from loadtest.bench_embeddings import sentences
-from loadtest.bench_serve import spare_port
 from loadtest.up import UpProcess
 
 
@@ -49,24 +45,9 @@ def embedding_lines(count: int, model: str) -> bytes:
 
 
 def start(args: argparse.Namespace) -> UpProcess:
-    prefix = f"batchembed-{uuid.uuid4().hex[:8]}"
-    env = dict(
-        os.environ,
-        LLM_REDIS_URL=args.redis_url,
-        LLM_KEY_PREFIX=prefix,
-        LLM_WORKER_METRICS_PORT="0",
-        LLM_SUPERVISOR_METRICS_PORT="0",
-        LLM_LOG_LEVEL="WARNING",
-        LLM_BATCH_POLL_S="0.5",
-        LLM_BATCH_MAX_LINES=str(max(args.lines, 50_000)),
-    )
-    log = Path(tempfile.gettempdir()) / f"{prefix}.log"
     extra = ["--worker", args.chat_model, "--worker", args.embed_model]
-    up = UpProcess(env, spare_port(), 1, log, extra_args=extra)
-    up.start()
-    with httpx.Client(timeout=10) as http:
-        up.wait_ready(http, 2, timeout=900)
-    return up
+    batch_env = {"LLM_BATCH_POLL_S": "0.5", "LLM_BATCH_MAX_LINES": str(max(args.lines, 50_000))}
+    return start_up(args.redis_url, "batchembed", 2, extra, 900, **batch_env)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -73,10 +73,19 @@ def batch_lines(count: int, max_tokens: int, invalid_every: int = 0) -> tuple[by
 
 
 def start(args: argparse.Namespace, num_workers: int, **env: str) -> UpProcess:
-    prefix = f"batchload-{uuid.uuid4().hex[:8]}"
+    extra = ["--model", args.model] if args.model else []
+    return start_up(args.redis_url, "batchload", num_workers, extra, 600, **env)
+
+
+def start_up(
+    redis_url: str, name: str, ready_workers: int, extra: list[str], timeout_s: float, **env: str
+) -> UpProcess:
+    """`ladle up` under a fresh key prefix `name-<hex>`, quiet, back once `ready_workers`
+    workers are up (`extra` may name per-model `--worker`s instead of `--workers`)."""
+    prefix = f"{name}-{uuid.uuid4().hex[:8]}"
     base_env = dict(
         os.environ,
-        LLM_REDIS_URL=args.redis_url,
+        LLM_REDIS_URL=redis_url,
         LLM_KEY_PREFIX=prefix,
         LLM_WORKER_METRICS_PORT="0",
         LLM_SUPERVISOR_METRICS_PORT="0",
@@ -84,11 +93,11 @@ def start(args: argparse.Namespace, num_workers: int, **env: str) -> UpProcess:
         **env,
     )
     log = Path(tempfile.gettempdir()) / f"{prefix}.log"
-    extra = ["--model", args.model] if args.model else []
-    up = UpProcess(base_env, spare_port(), num_workers, log, extra_args=extra)
+    workers = 1 if "--worker" in extra else ready_workers
+    up = UpProcess(base_env, spare_port(), workers, log, extra_args=extra)
     up.start()
     with httpx.Client(timeout=10) as http:
-        up.wait_ready(http, num_workers, timeout=600)
+        up.wait_ready(http, ready_workers, timeout=timeout_s)
     return up
 
 

@@ -355,10 +355,12 @@ def running_service(
     model: str | None = None,
     ready_timeout_s: float = 600.0,
     extra_env: dict[str, str] | None = None,
+    worker_groups: list[str] | None = None,
 ) -> Iterator[str]:
     """`ladle up` on a spare port with its own Redis and key prefix; yields the /v1 base URL.
 
-    `extra_env` (e.g. {"LLM_QUANTIZATION": "int4"}) is added to the service's environment.
+    `extra_env` (e.g. {"LLM_QUANTIZATION": "int4"}) is added to the service's environment;
+    `worker_groups` ("NAME=MODEL" each) are `--worker` flags, in place of `--workers`.
     """
     port = spare_port()
     log_path = Path(tempfile.gettempdir()) / f"ladle-bench-service-{port}.log"
@@ -385,6 +387,8 @@ def running_service(
         ]
         if model:
             argv += ["--model", model]
+        for group in worker_groups or []:
+            argv += ["--worker", group]
         with log_path.open("w") as log:
             proc = subprocess.Popen(
                 argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True

@@ -135,30 +135,25 @@ def _check_vllm(venv: Path, version: str) -> str:
 
 @contextlib.contextmanager
 def running_vllm(args: argparse.Namespace, model_dir: Path) -> Iterator[str]:
-    """`vllm serve` on a spare 127.0.0.1 port; yields the /v1 base URL."""
-    venv = Path(args.venv)
+    """`vllm serve` of the chat model on a spare 127.0.0.1 port; yields the /v1 base URL."""
+    options = ["--dtype", "bfloat16", "--served-model-name", SERVED_NAME]
+    options += ["--max-model-len", str(args.max_model_len)]
+    options += ["--max-num-seqs", str(args.max_num_seqs)]
+    env = vllm_env(Path(args.venv), args.kv_space, args.omp_bind, not args.no_preload)
+    with serving_vllm(Path(args.venv), model_dir, options, env, args.ready_timeout) as base_url:
+        yield base_url
+
+
+@contextlib.contextmanager
+def serving_vllm(
+    venv: Path, model_dir: Path, options: list[str], env: dict[str, str], ready_timeout: float
+) -> Iterator[str]:
+    """`vllm serve model_dir *options` on a spare 127.0.0.1 port until the block ends;
+    yields the /v1 base URL (VllmUnavailable, with its log's tail, if it does not start)."""
     port = spare_port()
     log_path = Path(tempfile.gettempdir()) / f"vllm-bench-{port}.log"
-    argv = [
-        str(venv / "bin" / "vllm"),
-        "serve",
-        str(model_dir),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        "bfloat16",
-        "--served-model-name",
-        SERVED_NAME,
-        "--max-model-len",
-        str(args.max_model_len),
-        "--max-num-seqs",
-        str(args.max_num_seqs),
-        "--uvicorn-log-level",
-        "warning",
-    ]
-    env = vllm_env(venv, args.kv_space, args.omp_bind, not args.no_preload)
+    argv = [str(venv / "bin" / "vllm"), "serve", str(model_dir), "--host", "127.0.0.1"]
+    argv += ["--port", str(port), "--uvicorn-log-level", "warning", *options]
     print(f"starting vLLM (log: {log_path}); LD_PRELOAD={env.get('LD_PRELOAD', '')}", flush=True)
     with log_path.open("w") as log:
         proc = subprocess.Popen(
@@ -172,7 +167,7 @@ def running_vllm(args: argparse.Namespace, model_dir: Path) -> Iterator[str]:
     try:
         started = time.monotonic()
         try:
-            wait_ready(f"http://127.0.0.1:{port}/v1/models", proc, args.ready_timeout, log_path)
+            wait_ready(f"http://127.0.0.1:{port}/v1/models", proc, ready_timeout, log_path)
         except RuntimeError as exc:
             raise VllmUnavailable(f"vLLM did not start: {exc}") from exc
         print(f"vLLM ready after {time.monotonic() - started:.0f} s", flush=True)
@@ -266,13 +261,7 @@ def plot(venv: Path, json_path: Path, png_path: Path) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--venv", default=str(ROOT / ".cache" / "vllm-venv"))
-    p.add_argument("--vllm-version", default="0.32.0")
-    p.add_argument("--install-timeout", type=float, default=1500.0)
-    p.add_argument("--ready-timeout", type=float, default=600.0)
-    p.add_argument("--kv-space", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE GiB (2)")
-    p.add_argument("--omp-bind", default="auto", help="VLLM_CPU_OMP_THREADS_BIND (auto)")
-    p.add_argument("--no-preload", action="store_true", help="no LD_PRELOAD of iomp/tcmalloc")
+    add_vllm_arguments(p, kv_space=2)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=64, help="as Ladle's max batch (64)")
     p.add_argument("--num-prompts", type=int, default=64)
@@ -300,6 +289,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--no-single-stream", action="store_true", help="skip llama.cpp vs Ladle")
     return p.parse_args(argv)
+
+
+def add_vllm_arguments(p: argparse.ArgumentParser, kv_space: int) -> None:
+    """Where vLLM is installed and how it is started, for every comparison with it."""
+    p.add_argument("--venv", default=str(ROOT / ".cache" / "vllm-venv"))
+    p.add_argument("--vllm-version", default="0.32.0")
+    p.add_argument("--install-timeout", type=float, default=1500.0)
+    p.add_argument("--ready-timeout", type=float, default=600.0)
+    p.add_argument(
+        "--kv-space", type=int, default=kv_space, help=f"VLLM_CPU_KVCACHE_SPACE GiB ({kv_space})"
+    )
+    p.add_argument("--omp-bind", default="auto", help="VLLM_CPU_OMP_THREADS_BIND (auto)")
+    p.add_argument("--no-preload", action="store_true", help="no LD_PRELOAD of iomp/tcmalloc")
 
 
 def ladle_env(pairs: list[str]) -> dict[str, str]:

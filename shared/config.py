@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from functools import lru_cache
 from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
 from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -37,9 +38,10 @@ class Settings(BaseSettings):
     served_model_name: str | None = None
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    quantization: Literal["none", "int8", "int4"] = Field(
-        "none",
-        description="weight-only int8 (per channel) or int4 (groups of 32) projections, CPU",
+    quantization: Literal["auto", "none", "int8", "int4"] = Field(
+        "auto",
+        description="weight-only int8 (per channel) or int4 (groups of 32) projections, CPU; "
+        "auto: as a GGUF holds them (4-bit in int4, 5-8-bit in int8) on a bf16 CPU, else none",
     )
     max_batch_size: int = Field(64, ge=1, description="cap on running sequences")
     max_num_batched_tokens: int = Field(1024, ge=16, description="token budget per step")
@@ -109,11 +111,29 @@ class Settings(BaseSettings):
     )
     worker_max_queued: int = Field(4, ge=0, description="jobs taken beyond what can run now")
     worker_metrics_port: int = Field(9101, ge=0, description="worker /metrics port; 0: off")
+    # Cache-aware routing (api/jobs/routing.py): a request goes to the worker that holds the
+    # longest prefix of its prompt, which has it to itself for a short hold.
+    prefix_routing: bool = Field(
+        True, description="route a request to the worker whose prefix cache holds its prompt"
+    )
+    prefix_routing_hold_ms: int = Field(
+        250, ge=0, description="how long a routed job waits for its worker before anyone takes it"
+    )
+    prefix_routing_max_imbalance: int = Field(
+        3,
+        ge=0,
+        description="sequences a worker may have beyond the least busy and still be routed to",
+    )
     # Token streams spread over these Redis instances (shared/relay_shards.py); empty: on
     # LLM_REDIS_URL with everything else.
     relay_redis_urls: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="comma-separated Redis URLs that hold the job streams, by job id hash",
+    )
+    relay_redis_cluster_url: str | None = Field(
+        None,
+        description="redis:// or rediss:// URL of any node of a Redis Cluster that holds the "
+        "job streams (instead of LLM_RELAY_REDIS_URLS)",
     )
     # A batch-only worker group can scale to zero on its lane's queue (deploy/k8s/keda.yaml).
     worker_lanes: Annotated[list[Literal["interactive", "batch"]], NoDecode] = Field(
@@ -177,6 +197,15 @@ class Settings(BaseSettings):
     batch_max_lines: int = Field(50_000, ge=1, description="most lines in one batch input file")
     batch_poll_s: float = Field(1.0, gt=0, description="how often a batch's results are collected")
     batch_control: bool = Field(True, description="this API process runs batch expansion work")
+
+    @model_validator(mode="after")
+    def _check_relay_cluster(self) -> Settings:
+        url = self.relay_redis_cluster_url
+        if url and self.relay_redis_urls:
+            raise ValueError("set LLM_RELAY_REDIS_URLS or LLM_RELAY_REDIS_CLUSTER_URL, not both")
+        if url and urlsplit(url).scheme not in ("redis", "rediss"):
+            raise ValueError("LLM_RELAY_REDIS_CLUSTER_URL is redis://host:port or rediss://...")
+        return self
 
     @model_validator(mode="after")
     def _check_priority_range(self) -> Settings:

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
 from shared.errors import InvalidRequestError
+from shared.tool_format import ToolFormat
 
 WIRE_VERSION = 1
 
@@ -117,14 +118,16 @@ class StructuredSpec(BaseModel):
 class ToolCallSpec(BaseModel):
     """How the API reads tool calls out of a chat job's text (`api/tool_calls.py`).
 
-    `auto`: parsed from free output in the model's format (`hermes` <tool_call> JSON or
-    `llama3` JSON); `required`: the output is a grammar-constrained JSON array of calls;
-    `named`: the output is the arguments of `function`, grammar-constrained.
+    `auto`: parsed from free output in the model's format (`shared/tool_format.py`); a
+    message that is exactly a call to one of `names` (bare, fenced or tagged) is a call too;
+    `required`: the output is a grammar-constrained JSON array of calls; `named`: the output
+    is the arguments of `function`, grammar-constrained.
     """
 
     mode: Literal["auto", "required", "named"]
-    format: Literal["hermes", "llama3"] = "hermes"
+    format: ToolFormat = "hermes"
     function: str | None = None
+    names: list[str] = Field(default_factory=list)  # the declared tools (auto)
 
 
 class PoolingSpec(BaseModel):
@@ -345,6 +348,7 @@ class WorkerRecord(_Wire):
     # empty: any size up to `embedding_size`)
     embedding_size: int = 0
     matryoshka_dimensions: list[int] | None = None
+    tool_format: ToolFormat | None = None  # the chat template's tool-call syntax
     device: str
     dtype: str
     architecture: str = ""  # the HF class the checkpoint names (e.g. Gemma3ForCausalLM)
@@ -366,6 +370,22 @@ class WorkerRecord(_Wire):
     tokens_per_s: float = 0.0  # generated tokens per second over the last few seconds
     started_at: float = Field(default_factory=time.time)
     heartbeat_at: float = Field(default_factory=time.time)
+
+
+class PrefixFingerprint(_Wire):
+    """What a worker's prefix cache holds (`Keys.prefixes`): a Bloom filter of the chained
+    hashes of its cached full blocks (`shared/prefixes.py`), and its room for jobs."""
+
+    worker_id: str
+    model: str
+    block_size: int
+    num_bits: int
+    filter: str  # base64 of the filter's bytes
+    num_blocks: int = 0  # cached blocks in the filter
+    room: int = 0  # interactive jobs it would take now
+    running: int = 0  # sequences in the engine
+    waiting: int = 0
+    published_at: float = Field(default_factory=time.time)
 
 
 ChildState = Literal["running", "restarting", "given_up", "stopped"]
@@ -403,6 +423,7 @@ class ModelInfo(_Wire):
     task: ModelTask = "generate"
     embedding_size: int = 0
     matryoshka_dimensions: list[int] | None = None
+    tool_format: ToolFormat | None = None
 
     @classmethod
     def of(cls, record: WorkerRecord) -> ModelInfo:
@@ -413,6 +434,7 @@ class ModelInfo(_Wire):
             task=record.task,
             embedding_size=record.embedding_size,
             matryoshka_dimensions=record.matryoshka_dimensions,
+            tool_format=record.tool_format,
         )
 
 
@@ -455,6 +477,8 @@ class JobRecord(_Wire):
     request_id: str | None = None
     attempts: int = 0
     worker_id: str | None = None
+    # the worker the job was held for, whose prefix cache held most of its prompt
+    routed_to: str | None = None
     created_at: float = Field(default_factory=time.time)
     started_at: float | None = None
     finished_at: float | None = None

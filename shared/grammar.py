@@ -13,6 +13,8 @@ import json
 from functools import lru_cache
 from typing import Any, Literal
 
+from shared.json_numbers import bound_numbers
+
 GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
 
 # Any JSON object: what `response_format: {"type": "json_object"}` promises.
@@ -44,6 +46,7 @@ def build_grammar(kind: GrammarKind, value: Any) -> str:
             schema = JSON_OBJECT_SCHEMA if kind == "json_object" else value
             if not isinstance(schema, dict):
                 raise GrammarError("a JSON schema must be an object")
+            schema = bound_numbers(schema)
             grammar = LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
         elif kind == "choice":
             grammar = _choice_grammar(value)

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
+
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
 
 @dataclass(frozen=True)
 class Keys:
     prefix: str = "ladle"
+    # Streams in a Redis Cluster: tagged by one of this many slot groups, not by job id (0).
+    stream_groups: int = 0
 
     def queue(self, model: str, lane: str = "interactive") -> str:
         """A model's arq queue for one lane (a sorted set of job ids): interactive requests
@@ -83,6 +88,10 @@ class Keys:
     def worker(self, worker_id: str) -> str:
         return f"{self.prefix}:worker:{worker_id}"
 
+    def prefixes(self, worker_id: str) -> str:
+        """String, TTL: the worker's `PrefixFingerprint` JSON (what its prefix cache holds)."""
+        return f"{self.prefix}:prefixes:{worker_id}"
+
     # Per-job keys carry the job id as a hash tag (`{id}`): a Redis Cluster puts all of one
     # job's keys in one slot, and a sharded relay picks a job's shard from the same id.
     def job(self, job_id: str) -> str:
@@ -92,7 +101,18 @@ class Keys:
         return f"{self.prefix}:payload:{{{job_id}}}"
 
     def stream(self, job_id: str) -> str:
-        return f"{self.prefix}:stream:{{{job_id}}}"
+        """A job's event stream. In a Redis Cluster (`stream_groups`), a relay's XREAD may only
+        name streams of one slot, so a stream carries its slot group's tag: `{p}:stream:{g..}:id`
+        (the group whose slot range holds the job id's own slot)."""
+        if not self.stream_groups:
+            return f"{self.prefix}:stream:{{{job_id}}}"
+        tag = group_tag(stream_group(job_id, self.stream_groups), self.stream_groups)
+        return f"{self.prefix}:stream:{{{tag}}}:{job_id}"
+
+    def routed(self, job_id: str) -> str:
+        """String, expiring when the hold ends: the worker a queued job is held for (its
+        prefix cache holds the prompt); other workers leave the job alone until then."""
+        return f"{self.prefix}:routed:{{{job_id}}}"
 
     def cancelled(self, job_id: str) -> str:
         """Set when a job is cancelled, so a worker picking it up later skips it."""
@@ -123,3 +143,21 @@ class Keys:
     def recent_jobs(self, api_key_id: str | None) -> str:
         """Sorted set: a key's newest job ids -> created time (the console's job list)."""
         return f"{self.prefix}:recent:{api_key_id or '-'}"
+
+
+def stream_group(tag: str, num_groups: int) -> int:
+    """Which of `num_groups` equal slot ranges a hash tag's slot falls in."""
+    return key_slot(tag.encode()) * num_groups // REDIS_CLUSTER_HASH_SLOTS
+
+
+@cache
+def group_tag(group: int, num_groups: int) -> str:
+    """The first tag `g<group>.<n>` whose slot lies in the middle half of the group's range, so
+    an even split of the slots over masters gives each master its share of the groups."""
+    width = REDIS_CLUSTER_HASH_SLOTS / num_groups
+    low, high = (group + 0.25) * width, (group + 0.75) * width
+    for n in range(100_000):
+        tag = f"g{group}.{n}"
+        if low <= key_slot(tag.encode()) < high:
+            return tag
+    raise ValueError(f"no tag found for slot group {group} of {num_groups}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import importlib.resources
 import importlib.util
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -71,9 +72,20 @@ def cache_root(configured: str | None = None) -> Path:
     return Path(configured or Settings.model_fields["cache_dir"].default).expanduser()
 
 
-def converted_dir(source: ModelSource, configured_cache: str | None = None) -> Path:
-    """Where a GGUF's one-time conversion to an HF directory lives (keyed by file identity)."""
+def installed_root() -> Path:
+    """One-time work `make install` did inside the environment (`python -m worker.prepare`)."""
+    return Path(sys.prefix) / "share" / "ladle"
+
+
+def converted_dir(
+    source: ModelSource, configured_cache: str | None = None, root: Path | None = None
+) -> Path:
+    """Where a GGUF's one-time conversion to an HF directory lives (keyed by file identity):
+    the environment's copy if `make install` made one, else under the cache (or `root`)."""
     stat = source.path.stat()
     identity = f"{source.path.resolve()}:{stat.st_size}:{int(stat.st_mtime)}"
-    digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
-    return cache_root(configured_cache) / "converted" / f"{source.path.stem}-{digest}"
+    name = f"{source.path.stem}-{hashlib.sha256(identity.encode()).hexdigest()[:16]}"
+    installed = installed_root() / "converted" / name
+    if root is None and (installed / "model.safetensors").exists():
+        return installed
+    return (root or cache_root(configured_cache)) / "converted" / name

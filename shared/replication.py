@@ -33,9 +33,14 @@ class ReplicaWaiter:
     """Knows whether the primary has a replica, and adds and checks the WAIT for it."""
 
     def __init__(
-        self, redis: Redis, timeout_ms: int = WAIT_TIMEOUT_MS, refresh_s: float = REFRESH_S
+        self,
+        redis: Redis,
+        timeout_ms: int = WAIT_TIMEOUT_MS,
+        refresh_s: float = REFRESH_S,
+        is_enabled: bool = True,
     ) -> None:
         self.redis = redis
+        self.is_enabled = is_enabled  # off for a cluster: its pipelines span several primaries
         self.timeout_ms = timeout_ms
         self.refresh_s = refresh_s
         self._num_replicas = 0
@@ -44,6 +49,8 @@ class ReplicaWaiter:
 
     async def num_required(self) -> int:
         """1 while the primary reports a connected replica, else 0 (cached `refresh_s`)."""
+        if not self.is_enabled:
+            return 0
         if time.monotonic() - self._checked_at >= self.refresh_s:
             try:
                 info = await self.redis.info("replication")

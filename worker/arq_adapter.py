@@ -97,6 +97,7 @@ class LadleWorker(Worker):
         self.service = service
         self.settings = settings
         self.lane = lane
+        self.keys = Keys(settings.key_prefix)
 
     async def main(self) -> None:
         """arq's main, retried while its start-up Redis calls fail.
@@ -132,21 +133,28 @@ class LadleWorker(Worker):
         return admission_capacity(service, self.lane, num_starting)
 
     async def _not_running(self, job_ids: list[bytes]) -> list[bytes]:
-        """Drop the ids of jobs already running, here or elsewhere, before arq's own check.
+        """Drop the ids of jobs already running, here or elsewhere, and of jobs held for
+        another worker (routed to its prefix cache, `Keys.routed`), before arq's own check.
 
         Running jobs stay in arq's queue until they end, and arq checks each listed id with
         a WATCH/EXISTS/ZSCORE/UNWATCH round of its own: at 16 running jobs and one poll every
         20 ms that was most of the worker's event-loop CPU (2 ms per generated token), taken
         from the engine thread. Ours are known from `self.tasks`; others' in-progress keys
-        cost one pipelined EXISTS per poll. arq still checks the rest (a race stays safe)."""
+        and holds cost one pipeline per poll. arq still checks the rest (a race stays safe)."""
         ids = [i for i in job_ids if not _running(self.tasks.get(i.decode()))]
         if not ids:
             return []
         async with self.pool.pipeline(transaction=False) as pipe:
             for job_id in ids:
                 pipe.exists(ARQ_IN_PROGRESS_PREFIX + job_id.decode())
+                pipe.get(self.keys.routed(job_id.decode()))
             found = await pipe.execute()
-        return [job_id for job_id, running in zip(ids, found, strict=True) if not running]
+        mine = self.service.worker_id.encode()
+        return [
+            job_id
+            for job_id, running, held_for in zip(ids, found[::2], found[1::2], strict=True)
+            if not running and held_for in (None, mine)
+        ]
 
     async def _poll_iteration(self) -> None:
         """One poll, then a wait of POLL_S cut short by a wake-up (the API enqueued a job).

@@ -1,4 +1,5 @@
-"""The worker's heartbeat: its record (with KV usage) in Redis, and its arq leases renewed."""
+"""The worker's heartbeat: its record (with KV usage) and prefix fingerprint in Redis, and its
+arq leases renewed."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from redis.exceptions import RedisError
 from shared.contracts import ModelInfo, WorkerRecord
 from shared.keys import Keys
 from worker.engine.engine import EngineStats
+from worker.prefixes import PrefixPublisher
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +47,7 @@ class Heartbeat:
         status: Callable[[], str],
         restore: Callable[[Pipeline], None] | None = None,
         generated_tokens: Callable[[], int] | None = None,
+        prefixes: PrefixPublisher | None = None,
     ) -> None:
         self.redis = redis
         self.keys = keys
@@ -56,6 +59,7 @@ class Heartbeat:
         self._status = status
         self._restore = restore
         self._generated_tokens = generated_tokens
+        self._prefixes = prefixes
         # (monotonic time, tokens generated so far) over the last RATE_WINDOW_S
         self._samples: deque[tuple[float, int]] = deque()
         self._task: asyncio.Task[None] | None = None
@@ -100,12 +104,15 @@ class Heartbeat:
                 pipe.set(ARQ_IN_PROGRESS_PREFIX + job_id, b"1", px=ttl_ms)
             if self._restore is not None:
                 self._restore(pipe)
+            if self._prefixes is not None:
+                self._prefixes.write(pipe)
             await pipe.execute()
 
     async def remove(self) -> None:
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.delete(self.keys.worker(self.base.worker_id))
             pipe.zrem(self.keys.workers, self.base.worker_id)
+            pipe.delete(self.keys.prefixes(self.base.worker_id))
             await pipe.execute()
 
     def start(self) -> None:

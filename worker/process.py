@@ -22,8 +22,9 @@ from shared.metrics import WorkerMetrics
 from shared.queue import deserialize_job, serialize_job
 from shared.redis_url import arq_redis_settings
 from shared.retry import FOREVER, Backoff, retry
-from shared.tokenizer import load_tokenizer
-from worker.arq_adapter import LadleWorker, lane_workers
+from shared.tokenizer import Tokenizer, load_tokenizer
+from shared.tool_format import tokenizer_tool_format
+from worker.arq_adapter import LadleWorker, admission_capacity, lane_workers
 from worker.engine.config import EngineConfig
 from worker.engine.embedding import EmbeddingEngine, build_embedding_engine
 from worker.engine.engine import EngineStats, LLMEngine
@@ -31,6 +32,7 @@ from worker.engine_thread import EngineHost
 from worker.heartbeat import Heartbeat, default_worker_id
 from worker.metrics import WorkerMetricsRecorder
 from worker.models.pooling_loader import is_pooling_model
+from worker.prefixes import PrefixPublisher
 from worker.service import WorkerService
 
 logger = logging.getLogger("worker")
@@ -64,10 +66,11 @@ class WorkerProcess:
             s, engine, tokenizer, pool, self.worker_id, recorder, engine_host=host
         )
         service.start()
+        service.prefixes = self._prefix_publisher(pool, service)
         heartbeat = Heartbeat(
             pool,
             self.keys,
-            self._record(engine, service.engine_thread.stats),
+            self._record(engine, service.engine_thread.stats, tokenizer),
             s.heartbeat_interval_s,
             s.worker_ttl_s,
             stats=lambda: _stats(service, recorder),
@@ -75,6 +78,7 @@ class WorkerProcess:
             status=lambda: service.status,
             restore=service.restore_records,
             generated_tokens=lambda: recorder.num_generation_tokens,
+            prefixes=service.prefixes,
         )
         heartbeat.start()
         self._serve_metrics(metrics)
@@ -126,10 +130,31 @@ class WorkerProcess:
             logger.error("the arq poll loop ended (%r); stopping", exc)
             self._stopping.set()
 
-    def _record(self, engine: LLMEngine | EmbeddingEngine, stats: EngineStats) -> WorkerRecord:
+    def _prefix_publisher(self, pool: ArqRedis, service: WorkerService) -> PrefixPublisher | None:
+        """What the prefix cache holds, for the API's router (a generating model's, if on)."""
+        s = self.settings
+        if not (s.prefix_routing and s.enable_prefix_caching) or not isinstance(
+            service.engine, LLMEngine
+        ):
+            return None
+        return PrefixPublisher(
+            pool,
+            self.keys,
+            self.worker_id,
+            s.model_id,
+            s.worker_ttl_s,
+            stats=lambda: service.engine_thread.stats,
+            room=lambda: admission_capacity(service, "interactive"),
+        )
+
+    def _record(
+        self, engine: LLMEngine | EmbeddingEngine, stats: EngineStats, tokenizer: Tokenizer
+    ) -> WorkerRecord:
         pooling = engine.model_info() if isinstance(engine, EmbeddingEngine) else {}
+        tools = None if pooling else tokenizer_tool_format(tokenizer)
         return WorkerRecord(
             **pooling,
+            tool_format=tools,
             worker_id=self.worker_id,
             host=socket.gethostname(),
             pid=os.getpid(),
@@ -138,7 +163,7 @@ class WorkerProcess:
             device=engine.executor.device,
             dtype=engine.executor.dtype,
             architecture=_architecture(engine),
-            weight_precision=_weight_precision(self.settings.quantization, engine.executor.dtype),
+            weight_precision=_weight_precision(engine.executor.quantization, engine.executor.dtype),
             compiled=engine.executor.compiled,
             deterministic=engine.executor.deterministic,
             deterministic_reason=engine.executor.deterministic_reason,
@@ -168,7 +193,8 @@ def _architecture(engine: LLMEngine | EmbeddingEngine) -> str:
 
 
 def _weight_precision(quantization: str, dtype: str) -> str:
-    """int8 / int4 where the projections are quantized, else the model's dtype."""
+    """int8 / int4 (or "auto (int4 x N, ...)") where projections are quantized, else the
+    model's dtype."""
     return dtype if quantization in ("", "none") else quantization
 
 

@@ -44,7 +44,10 @@ class Publisher:
         self.on_finished = on_finished
         self.metrics = metrics
         self.loop = asyncio.get_running_loop()
-        self.replicas = [ReplicaWaiter(client) for client in store.shards.clients]
+        in_cluster = store.shards.cluster is not None
+        self.replicas = [
+            ReplicaWaiter(client, is_enabled=not in_cluster) for client in store.shards.clients
+        ]
         self._outputs: asyncio.Queue[list[SequenceOutput]] = asyncio.Queue()
 
     def on_outputs(self, outputs: list[SequenceOutput]) -> None:

@@ -14,6 +14,7 @@ import time
 from typing import Literal
 
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from shared.config import Settings
 from shared.contracts import (
@@ -29,8 +30,7 @@ from shared.contracts import (
     error_event,
 )
 from shared.errors import InvalidRequestError
-from shared.keys import Keys
-from shared.relay_shards import StreamShards
+from shared.relay_shards import keys_for, stream_shards
 from shared.tokenizer import Tokenizer
 from worker.engine.core.sampling_params import SamplingParams
 from worker.engine.embedding import EmbeddingEngine, EmbeddingRequest
@@ -40,6 +40,7 @@ from worker.job_state import JobState, Outcome, job_for, new_engine_request_id
 from worker.job_writer import JobWriter
 from worker.listener import Listener
 from worker.metrics import WorkerMetricsRecorder
+from worker.prefixes import PrefixPublisher
 from worker.publisher import Publisher
 from worker.tracing import record_attempt
 from worker.watchdog import StallWatchdog
@@ -66,8 +67,8 @@ class WorkerService:
         self.engine = engine
         self.redis = redis
         self.worker_id = worker_id
-        self.keys = Keys(settings.key_prefix)
-        shards = StreamShards(redis, settings.relay_redis_urls, socket_connect_timeout=2.0)
+        self.keys = keys_for(settings)
+        shards = stream_shards(redis, settings, socket_connect_timeout=2.0)
         self.store = JobWriter(
             redis, self.keys, settings.job_ttl_s, settings.stream_maxlen, shards=shards
         )
@@ -89,6 +90,8 @@ class WorkerService:
         self.watchdog = StallWatchdog(
             self.engine_thread, settings.engine_stall_s, self.hand_back_all
         )
+        # Set by the process when requests are routed by prefix (LLM_PREFIX_ROUTING).
+        self.prefixes: PrefixPublisher | None = None
 
     def is_unhealthy(self) -> bool:
         """The engine thread is stuck in a step (`worker/watchdog.py`)."""
@@ -178,12 +181,23 @@ class WorkerService:
             record_attempt(job, self.worker_id, type(exc).__name__)
             raise
         publish_started = time.time()
+        if outcome == "completed":
+            await self._publish_prefixes()
         try:  # still listed while its final write waits out Redis: the heartbeat restores it
             await self._finish_outcome(record, job, outcome)
         finally:
             self.jobs.pop(job_id, None)
         record_attempt(job, self.worker_id, outcome, (publish_started, time.time()))
         return record.status
+
+    async def _publish_prefixes(self) -> None:
+        """The blocks this job left, published before its answer: the next turn follows it."""
+        if self.prefixes is None:
+            return
+        try:
+            await self.prefixes.publish()
+        except (RedisError, OSError) as exc:  # only routing suffers; the heartbeat tries again
+            logger.debug("prefix fingerprint not published: %r", exc)
 
     async def _finish_outcome(self, record: JobRecord, job: JobState, outcome: Outcome) -> None:
         if outcome == "completed":

@@ -1,10 +1,11 @@
 """One multiplexed Redis Streams reader per API process.
 
-A single background task (one per stream shard, `LLM_RELAY_REDIS_URLS`) runs `XREAD BLOCK`
-over every stream that has subscribers and fans the entries out to per-subscriber asyncio
-queues. The block is capped (`block_ms`) so a new
-subscriber's stream joins the read within that time; entries already in a stream are replayed
-from the subscriber's last id, so subscribing after enqueueing loses nothing.
+A single background task (one per stream shard, `LLM_RELAY_REDIS_URLS`, or per cluster slot
+group, `LLM_RELAY_REDIS_CLUSTER_URL`) runs `XREAD BLOCK` over every stream that has
+subscribers and fans the entries out to per-subscriber asyncio queues. The block is capped
+(`block_ms`) so a new subscriber's stream joins the read within that time; entries already
+in a stream are replayed from the subscriber's last id, so subscribing after enqueueing loses
+nothing.
 
 Faults end waits instead of leaving them hanging: a job whose record is gone after Redis came
 back (a restart without persistence), a Redis outage longer than `outage_grace_s`, and the
@@ -96,7 +97,7 @@ class Relay:
         shards: StreamShards | None = None,
     ) -> None:
         self.redis = redis
-        self.shards = shards or StreamShards(redis, [])  # one reader task per stream shard
+        self.shards = shards or StreamShards(redis, [])  # one reader task per stream group
         self.keys = keys
         self.block_ms = block_ms
         self.verify_delay_s = verify_delay_s  # after a reconnect: workers restore records
@@ -107,8 +108,8 @@ class Relay:
         self._closed = False  # ... and open waits have been ended
         self._lost_since: float | None = None
         self._subs: dict[str, set[Subscription]] = {}
-        self._streams_by_shard: list[set[str]] = [set() for _ in self.shards.clients]
-        self._wakes = [asyncio.Event() for _ in self.shards.clients]
+        self._streams_by_group: list[set[str]] = [set() for _ in range(self.shards.num_groups)]
+        self._wakes = [asyncio.Event() for _ in range(self.shards.num_groups)]
         self._tasks: list[asyncio.Task] = []
         self._checks: set[asyncio.Task] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -117,11 +118,11 @@ class Relay:
     def subscribe(self, job_id: str, last_id: str = "0-0") -> Subscription:
         parse_entry_id(last_id)
         stream = self.keys.stream(job_id)
-        shard = self.shards.index(stream)
-        wake = self._wakes[shard]
+        group = self.shards.group(stream)
+        wake = self._wakes[group]
         sub = Subscription(job_id, stream, last_id, self.max_buffered, wake.set)
         self._subs.setdefault(sub.stream, set()).add(sub)
-        self._streams_by_shard[shard].add(stream)
+        self._streams_by_group[group].add(stream)
         if self._closed:
             sub.fail(shutdown_error(job_id))
         wake.set()
@@ -134,7 +135,7 @@ class Relay:
             subs.discard(sub)
             if not subs:
                 del self._subs[sub.stream]
-                self._streams_by_shard[self.shards.index(sub.stream)].discard(sub.stream)
+                self._streams_by_group[self.shards.group(sub.stream)].discard(sub.stream)
 
     @property
     def num_buffered(self) -> int:
@@ -146,10 +147,10 @@ class Relay:
         """Readers paused because their client fell behind."""
         return sum(sub.is_paused for subs in self._subs.values() for sub in subs)
 
-    def _positions(self, shard: int) -> dict[str, str]:
-        """Where to read each of a shard's streams from: the earliest reader not paused."""
+    def _positions(self, group: int) -> dict[str, str]:
+        """Where to read each of a group's streams from: the earliest reader not paused."""
         positions = {}
-        for stream in self._streams_by_shard[shard]:
+        for stream in self._streams_by_group[group]:
             active = [s for s in self._subs.get(stream, ()) if not s.is_paused]
             if active:
                 positions[stream] = min((s.last_id for s in active), key=parse_entry_id)
@@ -159,8 +160,8 @@ class Relay:
         if not self._tasks and not self._stopping:
             self._loop = asyncio.get_running_loop()
             self._tasks = [
-                asyncio.create_task(self._run(shard), name=f"stream-relay-{shard}")
-                for shard in range(len(self._wakes))
+                asyncio.create_task(self._run(group), name=f"stream-relay-{group}")
+                for group in range(len(self._wakes))
             ]
 
     async def stop(self) -> None:
@@ -190,11 +191,11 @@ class Relay:
             for sub in subs:
                 sub.fail(error_for(sub.job_id))
 
-    async def _run(self, shard: int) -> None:
+    async def _run(self, group: int) -> None:
         while not self._stopping:
             try:
                 await retry(
-                    lambda: self._read_when_subscribed(shard),
+                    lambda: self._read_when_subscribed(group),
                     on=(RedisError, OSError),
                     what="relay read",
                     backoff=READ_BACKOFF,
@@ -207,13 +208,13 @@ class Relay:
                 log.exception("relay read failed")
                 await asyncio.sleep(1.0)
 
-    async def _read_when_subscribed(self, shard: int) -> None:
+    async def _read_when_subscribed(self, group: int) -> None:
         if self._stopping:  # a cancelled read can surface as a ConnectionError: retry ends
             return
-        while not self._positions(shard):  # nobody, or only paused readers
-            self._wakes[shard].clear()
-            await self._wakes[shard].wait()
-        await self._read_once(shard)
+        while not self._positions(group):  # nobody, or only paused readers
+            self._wakes[group].clear()
+            await self._wakes[group].wait()
+        await self._read_once(group)
 
     def _on_lost(self, exc: BaseException) -> None:
         now = time.monotonic()
@@ -260,11 +261,11 @@ class Relay:
                 for sub in list(sub_set):
                     sub.fail(job_lost_error(job_id))
 
-    async def _read_once(self, shard: int) -> None:
-        positions = self._positions(shard)
+    async def _read_once(self, group: int) -> None:
+        positions = self._positions(group)
         if not positions:
             return
-        replies = await self.shards.clients[shard].xread(positions, block=self.block_ms)
+        replies = await self.shards.read(group, positions, self.block_ms)
         for stream_name, entries in replies or []:
             stream = _text(stream_name)
             for entry_id, fields in entries:

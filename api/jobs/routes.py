@@ -59,6 +59,7 @@ def job_summary(record: JobRecord) -> dict[str, Any]:
         "finished_at": record.finished_at,
         "attempts": record.attempts,
         "worker_id": record.worker_id,
+        "routed_to": record.routed_to,
         "request_id": record.request_id,
         "usage": None,
         "timings": None,

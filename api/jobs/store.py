@@ -15,6 +15,7 @@ from arq.constants import in_progress_key_prefix, job_key_prefix
 from redis.exceptions import RedisError
 
 from api.errors import APIError
+from api.jobs.routing import PrefixRouter
 from api.keys.limits import Quota, RateLimiter
 from shared.config import Settings
 from shared.contracts import (
@@ -93,8 +94,10 @@ class JobStore:
         settings: Settings,
         limiter: RateLimiter,
         shards: StreamShards | None = None,
+        router: PrefixRouter | None = None,
     ) -> None:
         self.redis = redis
+        self.router = router
         self.shards = shards or StreamShards(redis, [])
         self.keys = keys
         self.settings = settings
@@ -116,8 +119,9 @@ class JobStore:
             await self.limiter.refund(reservation)
             raise
         try:
+            worker_id = await self.router.pick(payload) if self.router else None
             record, is_new = await self._enqueue(
-                payload, url, only_new=False, reservation=reservation
+                payload, url, only_new=False, reservation=reservation, routed_to=worker_id
             )
         except (RedisError, OSError):
             await self._undo(payload, reservation)
@@ -168,9 +172,11 @@ class JobStore:
         url: str,
         only_new: bool,
         reservation: TokenReservation | None = None,
+        routed_to: str | None = None,
     ) -> tuple[JobRecord, bool]:
         """Write record and payload (with `only_new`, only where absent), then enqueue into
-        the model's queue for the job's lane; whether arq took it as a new job."""
+        the model's queue for the job's lane; whether arq took it as a new job. A job
+        `routed_to` a worker is held back for it (api/jobs/routing.py)."""
         record = JobRecord(
             id=payload.id,
             url=url,
@@ -180,9 +186,13 @@ class JobStore:
             request_id=payload.request_id,
             created_at=payload.created,
             reservation=reservation,
+            routed_to=routed_to if self.settings.prefix_routing_hold_ms else None,
         )
         ttl = QUEUED_GRACE_S + self.settings.job_ttl_s
         async with self.redis.pipeline(transaction=False) as pipe:
+            if record.routed_to:  # held for that worker before any worker can see the job
+                hold_ms = self.settings.prefix_routing_hold_ms
+                pipe.set(self.keys.routed(payload.id), record.routed_to, px=hold_ms)
             pipe.set(self.keys.job(payload.id), record.model_dump_json(), ex=ttl, nx=only_new)
             pipe.set(self.keys.payload(payload.id), payload.model_dump_json(), ex=ttl, nx=only_new)
             if not only_new:  # requests and jobs; batch lines are listed by their batch

@@ -11,7 +11,12 @@ from pydantic import BaseModel, ValidationError
 
 from api.errors import validation_error
 from api.jobs.store import new_job_id
-from api.openai.constraints import check_request, output_spec, with_tool_format
+from api.openai.constraints import (
+    auto_tools_spec,
+    check_request,
+    output_spec,
+    with_tool_format,
+)
 from api.openai.formatting import ResponseContext
 from api.openai.prompting import build_payload, check_context, check_limits, prompts_token_ids
 from api.openai.protocol import ChatCompletionRequest, OpenAIRequest
@@ -66,11 +71,13 @@ async def prepare_job(
         check_context(len(ids), body.max_tokens, model.max_model_len, param) for ids in prompts
     )
     prompt_ids = prompts[0]
+    tool_calls = with_tool_format(tool_calls, tokenizer)
+    structured = await asyncio.to_thread(auto_tools_spec, body, structured, tool_calls)
     return build_payload(
         body,
         prompt_batch=prompts if len(prompts) > 1 else None,
         structured=structured,
-        tool_calls=with_tool_format(tool_calls, tokenizer),
+        tool_calls=tool_calls,
         prompt_token_ids=prompt_ids,
         job_id=job_id or new_job_id(),
         model=model.name,

@@ -13,16 +13,12 @@ import logging
 from typing import Any
 
 from api.errors import APIError
+from api.openai.auto_tools import CONSTRAINED_FORMATS, auto_tools_lark
 from api.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIRequest
-from api.openai.tools import (
-    named_call_schema,
-    render_tool_messages,
-    required_calls_schema,
-    template_takes_tools,
-    tool_format,
-)
+from api.openai.tools import named_call_schema, render_tool_messages, required_calls_schema
 from shared.contracts import StructuredSpec, ToolCallSpec
 from shared.grammar import GrammarError, GrammarKind, build_grammar, close_objects
+from shared.tool_format import template_takes_tools, tokenizer_tool_format
 
 log = logging.getLogger(__name__)
 _INVALID = "invalid_parameter"
@@ -121,7 +117,7 @@ def _tool_choice(request: OpenAIRequest) -> tuple[ToolCallSpec | None, dict[str,
     if choice == "none":
         return None, None
     if choice in (None, "auto"):
-        return ToolCallSpec(mode="auto"), None
+        return ToolCallSpec(mode="auto", names=[t["function"]["name"] for t in tools]), None
     if choice == "required":
         schema = required_calls_schema(tools, request.parallel_tool_calls)
         return ToolCallSpec(mode="required"), schema
@@ -131,6 +127,21 @@ def _tool_choice(request: OpenAIRequest) -> tuple[ToolCallSpec | None, dict[str,
         message = f"tool_choice names {choice.function.name!r}, which is not in tools"
         raise APIError(400, message, param="tool_choice", code=_INVALID)
     return ToolCallSpec(mode="named", function=choice.function.name), schema
+
+
+def auto_tools_spec(
+    request: OpenAIRequest, structured: StructuredSpec | None, tool_spec: ToolCallSpec | None
+) -> StructuredSpec | None:
+    """Under `auto`, with no other constraint, the grammar of "text, or a well-formed call"
+    for the model's format (`api/openai/auto_tools.py`); else `structured` as it is."""
+    if structured is not None or tool_spec is None or tool_spec.mode != "auto":
+        return structured
+    if tool_spec.format not in CONSTRAINED_FORMATS or not isinstance(
+        request, ChatCompletionRequest
+    ):
+        return structured
+    tools = [tool.model_dump(by_alias=True) for tool in request.tools or []]
+    return _compile("grammar", auto_tools_lark(tools), "tools", "tool_calls")
 
 
 def chat_inputs(tokenizer: Any, request: ChatCompletionRequest) -> tuple[list[dict], dict]:
@@ -145,12 +156,14 @@ def chat_inputs(tokenizer: Any, request: ChatCompletionRequest) -> tuple[list[di
 
 def with_tool_format(spec: ToolCallSpec | None, tokenizer: Any) -> ToolCallSpec | None:
     """The auto parser's format, from the model's template (the fallback prompt is Hermes)."""
-    if spec is None or spec.mode != "auto" or not _takes_tools(tokenizer):
+    if spec is None or spec.mode != "auto":
         return spec
-    template = getattr(tokenizer.hf, "chat_template", None)
-    return spec.model_copy(
-        update={"format": tool_format(template if isinstance(template, str) else None)}
-    )
+    return spec.model_copy(update={"format": _tool_format(tokenizer)})
+
+
+@functools.lru_cache(maxsize=8)
+def _tool_format(tokenizer: Any) -> str:
+    return tokenizer_tool_format(tokenizer)
 
 
 @functools.lru_cache(maxsize=8)

@@ -48,6 +48,7 @@ async def chat_completions(
 async def models(services: ServicesDep) -> dict:
     served = await services.workers.models()
     described = await services.workers.descriptions()
+    known = await services.workers.known()
     data = [
         {
             "id": name,
@@ -57,6 +58,7 @@ async def models(services: ServicesDep) -> dict:
             "root": name,
             "max_model_len": max_model_len,
             **described.get(name, {}),
+            "tool_format": known[name].tool_format if name in known else None,
         }
         for name, max_model_len in sorted(served.items())
     ]

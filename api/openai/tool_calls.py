@@ -5,11 +5,15 @@ One parser per choice (`ToolCallParser`) turns text pieces into OpenAI `delta` d
 {"name", "arguments"}}]}` for calls (id and name once, arguments in pieces). A non-streaming
 response is the same deltas merged (`merge_deltas`), so both paths share one parser.
 
-Formats (`ToolCallSpec`): `auto` + `hermes`: `<tool_call>{"name": ..., "arguments": ...}
-</tool_call>` blocks (Qwen, Hermes, our fallback prompt); `auto` + `llama3`: the whole answer
-is `{"name": ..., "parameters": ...}` (several joined by `;`), optionally after
-`<|python_tag|>`; `required`: a JSON array of `{"name", "parameters"}` (grammar-forced);
-`named`: the whole answer is the arguments of the named function (grammar-forced).
+`auto` reads every family's syntax (`shared/tool_format.py`), whatever the model's own:
+`<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks anywhere in the text,
+streamed as they come; and a message that is exactly a call (or a list of calls) to declared
+tools: bare JSON (`"arguments"` or Llama's `"parameters"`, several joined by `;`), in a
+```json fence, after `<|python_tag|>`, `[TOOL_CALLS]` or `functools`, or inside
+`<|tool_call|>...<|/tool_call|>`. Such a message is held back while streaming until it ends
+(a message that only starts like one is sent as text then). `required`: a JSON array of
+`{"name", "parameters"}` (grammar-forced); `named`: the whole answer is the arguments of the
+named function (grammar-forced).
 """
 
 from __future__ import annotations
@@ -22,6 +26,15 @@ from typing import Any
 from shared.contracts import ToolCallSpec
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+# How a whole-message call may begin (after optional whitespace); special tokens appear only
+# where the detokenizer keeps them.
+_WHOLE_START = re.compile(
+    r"(```(?:json)?\s*)?(\{|\[|<\|python_tag\|>|\[TOOL_CALLS\]|<\|tool_call\|>|functools\[)"
+)
+_WHOLE_OPENERS = ("<|python_tag|>", "[TOOL_CALLS]", "<|tool_call|>", "functools[")
+_FENCE_PREFIX = re.compile(r"`{1,2}|```(j(s(o(n)?)?)?)?\s*")
+_FENCED = re.compile(r"```(?:json)?\s*(.*?)\s*```", re.S)
+_WRAPPED = re.compile(r"<\|tool_call\|>(.*?)(?:<\|/tool_call\|>)?", re.S)
 _NAME_PREFIX = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
 _TRAILING = re.compile(r"[\s}]*$")
 
@@ -53,22 +66,37 @@ class ToolCallParser:
         self._text += text
         if self.spec.mode == "named":
             return self._named(text)
-        if self.spec.mode == "auto" and self.spec.format == "hermes":
+        if self.spec.mode == "auto" and self._whole() is False:
             return self._hermes(final=False)
-        return []  # required / llama3: the JSON is read whole at the end
+        return []  # required, or a possible whole-message call: read whole at the end
 
     def finish(self) -> list[dict[str, Any]]:
         """Deltas for whatever is left once the choice ended."""
         if self.spec.mode == "named":
             return []
-        if self.spec.mode == "auto" and self.spec.format == "hermes":
-            return self._hermes(final=True)
+        if self.spec.mode == "auto":
+            calls = _exact_calls(self._text, self.spec.names) if self._whole() else None
+            if calls is None:
+                return self._hermes(final=True)
+            self._pos = len(self._text)
+            return [self._call(name, args) for name, args in calls]
         rest = self._text[self._pos :]
         self._pos = len(self._text)
         calls = _json_calls(rest, self.spec.mode == "required")
         if calls is None:
             return [{"content": rest}] if rest else []
         return [self._call(name, args) for name, args in calls]
+
+    def _whole(self) -> bool | None:
+        """Whether the message may be one whole call (held back), is not (streamed), or
+        cannot be told yet (None). Decided once, at the start of the text."""
+        if self._pos or self._calls:
+            return False
+        head = self._text.lstrip()
+        if _WHOLE_START.match(head):
+            return True
+        could_be = _FENCE_PREFIX.fullmatch(head) or any(o.startswith(head) for o in _WHOLE_OPENERS)
+        return None if could_be else False
 
     def _call(self, name: str | None, arguments: str) -> dict[str, Any]:
         """A tool_calls delta: a new call (with a name) or more arguments for the last one."""
@@ -138,7 +166,7 @@ class ToolCallParser:
 
     def _whole_call(self, body: str) -> list[dict[str, Any]]:
         """A closed block whose JSON did not start with the name: read it whole."""
-        calls = _json_calls(body.strip(), False)
+        calls = _json_calls(body.strip(), False) or _json_calls(body.strip(), True)
         if calls is None:
             return [{"content": OPEN + body + CLOSE}]
         return [self._call(name, args) for name, args in calls]
@@ -166,6 +194,20 @@ def _arguments_text(args: str) -> str:
     except ValueError:
         return args.rstrip().removesuffix("}").rstrip()
     return args[:end]
+
+
+def _exact_calls(text: str, names: list[str]) -> list[tuple[str, str]] | None:
+    """The calls a whole message is, in any family's syntax, when every one names a
+    declared tool (any name when none are known); else None."""
+    body = text.strip()
+    fenced = _FENCED.fullmatch(body) or _WRAPPED.fullmatch(body)
+    body = fenced.group(1).strip() if fenced else body
+    for opener in ("[TOOL_CALLS]", "functools"):
+        body = body.removeprefix(opener).strip()
+    items = _json_calls(body, False) or _json_calls(body, True)
+    if not items or (names and any(name not in names for name, _ in items)):
+        return None
+    return items
 
 
 def _json_calls(text: str, is_array: bool) -> list[tuple[str, str]] | None:

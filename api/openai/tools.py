@@ -13,7 +13,7 @@ answer is a JSON array of `{"name", "parameters"}` calls, or the named function'
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any
 
 from shared.grammar import close_objects
 
@@ -23,24 +23,6 @@ FALLBACK_TOOLS_PROMPT = (
     'each holding {{"name": <function-name>, "arguments": <arguments-object>}}, and nothing '
     "else. Results come back in <tool_response></tool_response>."
 )
-_PROBE_TOOL = {"type": "function", "function": {"name": "probe_tool_x", "parameters": {}}}
-
-
-def template_takes_tools(render: Any) -> bool:
-    """Whether `render(messages, tools=...)` (a chat_text) uses its `tools` argument."""
-    messages = [{"role": "user", "content": "x"}]
-    try:
-        return render(messages, tools=[_PROBE_TOOL]) != render(messages)
-    except ValueError:
-        return False
-
-
-def tool_format(chat_template: str | None) -> Literal["hermes", "llama3"]:
-    """The format a model answers calls in, read from its template (Hermes by default)."""
-    template = chat_template or ""
-    if "<tool_call>" not in template and ("<|python_tag|>" in template or "ipython" in template):
-        return "llama3"
-    return "hermes"
 
 
 def render_tool_messages(
@@ -92,7 +74,7 @@ def required_calls_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[s
             "type": "object",
             "properties": {
                 "name": {"const": tool["function"]["name"]},
-                "parameters": _parameters(tool),
+                "parameters": call_parameters(tool),
             },
             "required": ["name", "parameters"],
             "additionalProperties": False,
@@ -107,10 +89,10 @@ def named_call_schema(tools: list[dict[str, Any]], name: str) -> dict[str, Any] 
     """JSON schema of the named function's arguments, or None if no tool has that name."""
     for tool in tools:
         if tool["function"]["name"] == name:
-            return _parameters(tool)
+            return call_parameters(tool)
     return None
 
 
-def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
+def call_parameters(tool: dict[str, Any]) -> dict[str, Any]:
     """A forced call's argument schema, closed as OpenAI's strict function calling is."""
     return close_objects(tool["function"].get("parameters") or {"type": "object", "properties": {}})

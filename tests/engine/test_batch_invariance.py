@@ -103,7 +103,8 @@ def test_attention_row_is_batch_invariant(dtype):
     def attend(num_others: int, threads: int) -> torch.Tensor:
         torch.set_num_threads(threads)
         lens = [rng.randrange(1, 20 * block_size) for _ in range(num_others)]
-        tables = [rng.sample(range(num_blocks), 20) for _ in lens]
+        # others: its own prefill's rows, rows sharing only its first blocks, other tables
+        tables = [_other_table(table, i, rng, num_blocks) for i in range(num_others)]
         at = num_others // 2
         lens.insert(at, probe_len)
         tables.insert(at, table)
@@ -118,6 +119,14 @@ def test_attention_row_is_batch_invariant(dtype):
     for threads in THREADS:
         for num_others in (0, 3, 15, 255):
             assert torch.equal(attend(num_others, threads), reference), (num_others, threads)
+
+
+def _other_table(table: list[int], i: int, rng: random.Random, num_blocks: int) -> list[int]:
+    if i % 3 == 0:
+        return table
+    shared = table[: rng.randrange(len(table))] if i % 3 == 1 else []
+    rest = [b for b in rng.sample(range(num_blocks), num_blocks) if b not in shared]
+    return shared + rest[: len(table) - len(shared)]
 
 
 def test_small_ops_are_batch_invariant():
@@ -146,6 +155,32 @@ def test_invariant_plan_gives_each_group_one_kernel(tmp_path):
     for group, by_bucket in plan.kernels.items():
         assert len(set(by_bucket.values())) == 1, group
         assert set(by_bucket.values()) <= {"native", "amx"}, group
+
+
+def test_one_invariant_kernel_per_group_is_used_without_timing(tmp_path, monkeypatch):
+    """Without AMX each group has one invariant kernel: nothing to time, nothing to cache."""
+    from tests.support.tiny_models import tiny_model_dir
+    from worker.engine import autotune
+    from worker.models.loader import load_model
+
+    path = tiny_model_dir("llama", tmp_path, hidden_size=128, intermediate_size=256)
+    model = load_model(str(path), dtype="bfloat16", device="cpu").model
+    names = [n for n in autotune.kernel_names() if n != "amx"]
+    monkeypatch.setattr(autotune, "kernel_names", lambda: names)
+
+    def no_timing(*args: object, **kwargs: object) -> None:
+        raise AssertionError("timed")
+
+    monkeypatch.setattr(autotune, "measure_plan", no_timing)
+    plan = autotune.choose_kernels(model, "auto", 16, 2, str(tmp_path), invariant=True)
+    assert plan.invariant and plan.source == "only invariant kernel" and plan.threads == {}
+    assert {n for by_bucket in plan.kernels.values() for n in by_bucket.values()} == {"native"}
+    assert not (tmp_path / "kernels").exists()
+    monkeypatch.setattr(autotune, "kernel_names", lambda: [*names, "amx"])
+    layer = next(iter(autotune.linear_groups(model).values()))[0]
+    if autotune.build_kernel("amx", layer.weight, layer.bias) is not None:  # a real choice
+        with pytest.raises(AssertionError, match="timed"):
+            autotune.choose_kernels(model, "auto", 16, 2, str(tmp_path), invariant=True)
 
 
 def test_eager_float32_small_ops_are_batch_invariant():

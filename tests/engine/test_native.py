@@ -89,10 +89,8 @@ def test_int4_matches_the_dequantized_weight(out_features, in_features):
     weight = quantize_int4(torch.randn(out_features, in_features))
     kernel = Int4Kernel(weight, None)
     assert kernel.name == "int4-native" and kernel.native_packed is not None
-    # what both int4 kernels compute with: bf16 scales and zeros, w = (q - 8) s + z
-    scales = weight.scales.bfloat16().float().repeat_interleave(32, 1)
-    zeros = (weight.mins + 8 * weight.scales).bfloat16().float().repeat_interleave(32, 1)
-    dequantized = (weight.values.float() - 8) * scales + zeros
+    # the native kernel holds the float32 scales and mins themselves: w = q s + m
+    dequantized = weight.dequantize()
     for rows in (1, 2, 7, 16, 17, 33):
         x = _bf16(rows, in_features, seed=rows)
         expected = x.float() @ dequantized.T
@@ -191,6 +189,40 @@ def test_paged_decode_with_a_window_matches_eager_attention(window):
     assert torch.equal(alone[0], got[row])
 
 
+@pytest.mark.parametrize("softcap,window", [(50.0, None), (5.0, None), (5.0, 9)])
+def test_paged_decode_with_a_softcap_matches_float32(softcap, window):
+    kv_heads, heads, head_dim, scale = 2, 8, 64, 0.125
+    q, k_cache, v_cache, meta = _decode_case(7, heads, kv_heads, head_dim, seed=int(softcap))
+    q = q * 4  # scores of several units, where tanh's cap bends them
+    starts = meta.decode_starts(window)
+    got = native.attention_rows(
+        q,
+        k_cache,
+        v_cache,
+        meta.decode_block_tables,
+        meta.decode_context_lens,
+        scale,
+        starts,
+        softcap,
+    )
+    for row, length in enumerate(meta.decode_context_lens.tolist()):
+        table = meta.decode_block_tables[row]
+        first = int(starts[row]) if starts is not None else 0
+        slots = [int(table[p // 16]) * 16 + p % 16 for p in range(first, length)]
+        k = k_cache.view(kv_heads, -1, head_dim)[:, slots].float()
+        v = v_cache.view(kv_heads, -1, head_dim)[:, slots].float()
+        qf = q[row].float().view(kv_heads, heads // kv_heads, head_dim)
+        scores = torch.tanh((qf @ k.transpose(1, 2)) * scale / softcap) * softcap
+        expected = scores.softmax(-1) @ v
+        torch.testing.assert_close(
+            got[row].float(), expected.reshape(heads, head_dim), rtol=2**-7, atol=2e-2
+        )
+    uncapped = native.attention_rows(
+        q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale, starts
+    )
+    assert not torch.equal(uncapped, got)
+
+
 def test_paged_decode_refuses_a_table_too_short():
     q, k_cache, v_cache, meta = _decode_case(2, 4, 2, 32, seed=3)
     lens = meta.decode_context_lens.clone()
@@ -199,6 +231,15 @@ def test_paged_decode_refuses_a_table_too_short():
         torch.ops.ladle_native.paged_attention_rows(
             q, k_cache, v_cache, meta.decode_block_tables, lens, 0.1
         )
+
+
+def test_paged_attention_reads_q_in_place_from_a_fused_qkv():
+    _, k_cache, v_cache, meta = _decode_case(5, 8, 2, 64, seed=9)
+    qkv = _bf16(5, 8 + 4, 64, seed=10)
+    q = qkv[:, :8]  # rows strided by the fused output's width
+    args = (k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, 0.125)
+    strided = torch.ops.ladle_native.paged_attention_rows(q, *args)
+    assert torch.equal(strided, torch.ops.ladle_native.paged_attention_rows(q.contiguous(), *args))
 
 
 def test_write_kv_equals_index_copy():

@@ -15,9 +15,10 @@ from api.jobs.reconcile import PrimaryWatch
 from shared.config import Settings
 from shared.keys import Keys
 from shared.redis_url import arq_redis_settings, sync_client
+from shared.relay_shards import CLUSTER_STREAM_GROUPS, StreamShards
 from shared.replication import NotReplicated, ReplicaWaiter
 from tests.support.harness import wait_until
-from tests.support.redis_topology import REDIS_SERVER, redis_cluster, sentinel_group
+from tests.support.redis_topology import REDIS_SERVER, Node, redis_cluster, sentinel_group
 
 pytestmark = pytest.mark.skipif(
     not REDIS_SERVER.startswith("/"), reason="needs redis-server and redis-cli on PATH"
@@ -111,3 +112,39 @@ def test_hash_tagged_job_keys_spread_over_the_cluster_one_slot_per_job() -> None
         per_master = cluster.keys_per_master(f"{keys.prefix}:stream:*")
         assert sum(per_master) == len(job_ids) and min(per_master) > 0, per_master
         client.close()
+
+
+async def test_cluster_stream_reads_and_writes_follow_ask_and_moved() -> None:
+    """A stream's slot migrates to another master while the relay reads it: the read first
+    gets ASK (slot migrating), then MOVED (slot moved), and both arrive at the stream."""
+    keys = Keys("topo", stream_groups=CLUSTER_STREAM_GROUPS)
+    stream = keys.stream("job-moving")
+    with redis_cluster(3) as cluster:
+        shards = StreamShards(make_redis(Settings(_env_file=None), keys), [], cluster.url)
+        group, slot = shards.group(stream), cluster.client().keyslot(stream)
+        await shards.clients[0].xadd(stream, {"data": "1"})
+        assert await _read_all(shards, group, stream) == [b"1"]  # the slot cache is filled
+        source = cluster.owner(slot)
+        target = next(node for node in cluster.masters if node is not source)
+        cluster.start_moving(slot, target)
+        assert [_keys_in(node, slot) for node in (source, target)] == [0, 1]
+        assert await _read_all(shards, group, stream) == [b"1"]  # ASK, then ASKING at target
+        cluster.finish_moving(slot, target)
+        assert await _read_all(shards, group, stream) == [b"1"]  # MOVED: the cache is updated
+        async with shards.clients[0].pipeline(transaction=False) as pipe:  # the publisher's way
+            pipe.xadd(stream, {"data": "2"})
+            await pipe.execute()
+        assert await _read_all(shards, group, stream) == [b"1", b"2"]
+        assert shards.cluster.get_node_from_key(stream).port == target.port  # type: ignore[union-attr]
+        assert cluster.owner(slot) is target
+        await shards.aclose()
+        await shards.main.aclose()
+
+
+async def _read_all(shards: StreamShards, group: int, stream: str) -> list[bytes]:
+    replies = await shards.read(group, {stream: "0-0"}, block_ms=100)
+    return [fields[b"data"] for _, entries in replies for _, fields in entries]
+
+
+def _keys_in(node: Node, slot: int) -> int:
+    return node.client().execute_command("CLUSTER", "COUNTKEYSINSLOT", slot)

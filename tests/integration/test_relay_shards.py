@@ -29,8 +29,11 @@ def sharded(
 ) -> Iterator[tuple[Service, list[Node]]]:
     with redis_shards(NUM_SHARDS, tmp_path_factory.mktemp("shards")) as shards:
         urls = ",".join(node.url for node in shards)
-        svc = start_service(
-            tiny_service_model, tmp_path_factory.mktemp("logs"), relay_redis_urls=urls
+        svc = start_service(  # a worker stopped for a moment stays listed (the cancel test)
+            tiny_service_model,
+            tmp_path_factory.mktemp("logs"),
+            relay_redis_urls=urls,
+            worker_ttl_s=30,
         )
         try:
             yield svc, shards
@@ -90,10 +93,11 @@ def test_cancelling_a_queued_job_reaches_its_stream_on_its_shard(
 ) -> None:
     svc, shards = sharded
     keys = Keys(svc.prefix)
+    with svc.client() as http:
+        model = http.get("/v1/models").json()["data"][0]["id"]
     svc.signal_worker(0, signal.SIGSTOP)  # the job stays queued
     try:
         with svc.client() as http:
-            model = http.get("/v1/models").json()["data"][0]["id"]
             job = {"url": "/v1/completions", "body": {"model": model, "prompt": PROMPT}}
             job_id = http.post("/v1/jobs", json=job).json()["id"]
             assert http.delete(f"/v1/jobs/{job_id}").json()["status"] == "cancelled"

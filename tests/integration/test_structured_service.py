@@ -177,6 +177,29 @@ def test_auto_tool_call_round_trip_sync_sse_and_job_api(
     assert record["response"]["choices"][0]["finish_reason"] == "tool_calls"
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["sync", "sse"])
+def test_auto_makes_a_started_call_well_formed(
+    client: openai.OpenAI, byte_model: Path, stream: bool
+) -> None:
+    """Under auto, a message that starts with `{` must become a call to a declared tool:
+    a bias makes the random model start (and keep writing `{` wherever JSON allows it)."""
+    listed = client.models.list().data[0]
+    assert listed.tool_format == "hermes"  # read from the template at load
+    model = listed.id
+    [brace] = load_tokenizer(str(byte_model)).encode("{", add_special_tokens=False)
+    body = dict(model=model, messages=USER, tools=TOOLS, tool_choice="auto", max_tokens=200)
+    for seed in range(3):
+        kwargs = dict(**body, seed=seed, logit_bias={str(brace): 100})
+        if stream:
+            calls = _streamed_calls(client.chat.completions.create(**kwargs, stream=True))
+            finish = calls.pop()
+        else:
+            choice = client.chat.completions.create(**kwargs).choices[0]
+            calls, finish = choice.message.tool_calls, choice.finish_reason
+        assert finish == "tool_calls"
+        _check_calls(calls, set(PARAMS))
+
+
 def _wait_job(http: httpx.Client, job_id: str) -> dict:
     with http.stream("GET", f"/v1/jobs/{job_id}/events") as events:
         for line in events.iter_lines():

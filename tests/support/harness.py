@@ -190,6 +190,7 @@ def start_service(
     log_dir: Path,
     num_workers: int = 1,
     redis_url: str = TEST_REDIS_URL,
+    ready_timeout_s: float = 90.0,
     **settings: object,
 ) -> Service:
     prefix = f"ladletest-{uuid.uuid4().hex[:8]}"
@@ -221,7 +222,7 @@ def start_service(
     for _ in range(num_workers):
         service.start_worker()
     try:
-        service.wait_ready(num_workers)
+        service.wait_ready(num_workers, ready_timeout_s)
     except BaseException:
         service.stop()
         raise

@@ -195,6 +195,31 @@ class RedisCluster:
     def keys_per_master(self, pattern: str) -> list[int]:
         return [sum(1 for _ in node.client().scan_iter(pattern)) for node in self.masters]
 
+    def owner(self, slot: int) -> Node:
+        ranges = self.masters[0].client().execute_command("CLUSTER", "SLOTS")
+        port = next(int(r[2][1]) for r in ranges if int(r[0]) <= slot <= int(r[1]))
+        return next(node for node in self.masters if node.port == port)
+
+    def start_moving(self, slot: int, target: Node) -> Node:
+        """Mark `slot` migrating to `target` and move its keys (redis-cli's reshard, first
+        half): the old owner now answers ASK for them. Returns the old owner."""
+        source = self.owner(slot)
+        ids = {node.port: node.client().execute_command("CLUSTER", "MYID") for node in self.masters}
+        target.client().execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[source.port])
+        source.client().execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[target.port])
+        keys = source.client().execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1000)
+        if keys:
+            source.client().execute_command(
+                "MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", *keys
+            )
+        return source
+
+    def finish_moving(self, slot: int, target: Node) -> None:
+        """Give `slot` to `target` on every master: the old owner now answers MOVED."""
+        target_id = target.client().execute_command("CLUSTER", "MYID")
+        for node in self.masters:
+            node.client().execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
+
 
 def spare_cluster_port() -> int:
     """A free port whose cluster bus port (port + 10000) is free and below 65536 too."""
@@ -215,13 +240,15 @@ def _is_free(port: int) -> bool:
 
 
 @contextlib.contextmanager
-def redis_cluster(num_masters: int = 3, base: Path | None = None) -> Iterator[RedisCluster]:
+def redis_cluster(
+    num_masters: int = 3, base: Path | None = None, ports: list[int] | None = None
+) -> Iterator[RedisCluster]:
     """`num_masters` (>= 3, as redis-cli requires) masters, no replicas, all slots covered."""
     with _nodes(base) as (root, nodes):
         for i in range(num_masters):
             node = Node(
                 root / f"master-{i}",
-                port=spare_cluster_port(),
+                port=ports[i] if ports else spare_cluster_port(),
                 args=["--cluster-enabled", "yes", "--cluster-node-timeout", "2000"]
                 + ["--cluster-config-file", str(root / f"master-{i}" / "nodes.conf")],
             )
@@ -244,11 +271,13 @@ def _cluster_ok(node: Node) -> bool:
 
 
 @contextlib.contextmanager
-def redis_shards(num_shards: int, base: Path | None = None) -> Iterator[list[Node]]:
+def redis_shards(
+    num_shards: int, base: Path | None = None, ports: list[int] | None = None
+) -> Iterator[list[Node]]:
     """`num_shards` independent redis-servers (persistence off)."""
     with _nodes(base) as (root, nodes):
         for i in range(num_shards):
-            node = Node(root / f"shard-{i}")
+            node = Node(root / f"shard-{i}", port=ports[i]) if ports else Node(root / f"shard-{i}")
             nodes.append(node)
             node.start()
         yield list(nodes)

@@ -254,3 +254,26 @@ def test_single_stream_report_ratios_and_bounds() -> None:
     assert "| Ladle int4 | 100 MB | 30.0 | 200 | 15% | 0.50 |" in text
     assert "| llama.cpp 0.3 | 80 MB | 60.0 | 250 | 24% | 1.00 |" in text
     assert "Some CPU" in text and "`avx2 avx512f`" in text
+
+
+def test_grid_table_puts_ladle_beside_vllm_and_llama_server() -> None:
+    from loadtest.grid import shape_table, workload_for
+
+    def level(concurrency: int, tok_s: float) -> object:
+        record = RequestRecord(start=0.0, end=1.0, chunk_times=[0.1, 0.2], output_tokens=2)
+        result = summarize(concurrency, [record], 1.0)
+        result.output_tokens_per_s = tok_s
+        return result
+
+    results = {
+        "ladle": {"chat": [level(1, 30.0), level(16, 300.0)]},
+        "vllm": {"chat": [level(1, 20.0), level(16, 200.0)]},
+        "ladle-4bit": {"chat": [level(1, 60.0)]},
+        "llama-server": {"chat": [level(1, 40.0)]},
+    }
+    lines = shape_table(results, "chat", [1, 16])
+    assert lines[-2].startswith("| 1 |") and lines[-2].endswith("| 1.50 | 1.50 |")
+    assert lines[-1].startswith("| 16 |") and "300.0 (100 / 100.0) | - | 200.0" in lines[-1]
+    assert lines[-1].endswith("| 1.50 | - |")
+    rag = workload_for("rag", 16, 49152)
+    assert (rag.input_len, rag.output_len, rag.num_prompts) == (2048, 128, 32)

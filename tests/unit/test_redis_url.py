@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import redis.asyncio.sentinel
 import redis.sentinel
+from redis.crc import key_slot
 
 from api.app import make_redis
 from shared.config import Settings
-from shared.keys import Keys
+from shared.keys import Keys, group_tag, stream_group
 from shared.logging import safe_url
 from shared.redis_url import (
     arq_redis_settings,
@@ -17,6 +20,7 @@ from shared.redis_url import (
     parse_sentinel_url,
     sync_client,
 )
+from shared.relay_shards import CLUSTER_STREAM_GROUPS, keys_for, shard_of
 
 SENTINEL_URL = "redis+sentinel://:p%40ss@10.0.0.1:26379,10.0.0.2:26380,sent3/mymaster/2"
 
@@ -94,3 +98,38 @@ def test_per_job_keys_share_the_job_id_as_hash_tag() -> None:
     assert {Keys.job_id_of(key) for key in per_job} == {job_id}
     assert Keys.job_id_of(keys.job(job_id).encode()) == job_id
     assert keys.queue("m") == "ladle:queue:m"  # arq's queues keep their names
+
+
+def test_cluster_streams_carry_a_slot_group_tag_spread_evenly() -> None:
+    keys = Keys("ladle", stream_groups=CLUSTER_STREAM_GROUPS)
+    job_ids = [f"job-{i:05d}" for i in range(3000)]
+    groups = [shard_of(keys.stream(job_id), CLUSTER_STREAM_GROUPS) for job_id in job_ids]
+    # the group is the job id's own slot range, so streams follow the job ids' spread
+    assert groups == [stream_group(job_id, CLUSTER_STREAM_GROUPS) for job_id in job_ids]
+    assert {Keys.job_id_of(keys.stream(job_id)) for job_id in job_ids} == set(job_ids)
+    # redis-cli's even split over 3 masters gives each master 8 of the 24 groups
+    tags = [group_tag(g, CLUSTER_STREAM_GROUPS) for g in range(CLUSTER_STREAM_GROUPS)]
+    per_master = Counter(key_slot(tag.encode()) * 3 // 16384 for tag in tags)
+    assert per_master == {0: 8, 1: 8, 2: 8}
+    assert keys.job(job_ids[0]).endswith("{job-00000}")  # other per-job keys are unchanged
+
+
+@pytest.mark.parametrize(
+    ("env", "error"),
+    [
+        ({"relay_redis_cluster_url": "redis+sentinel://h:1/m"}, "redis://host:port"),
+        (
+            {"relay_redis_cluster_url": "redis://h:1", "relay_redis_urls": "redis://a:1"},
+            "not both",
+        ),
+    ],
+)
+def test_relay_cluster_setting_is_checked(env: dict, error: str) -> None:
+    with pytest.raises(ValueError, match=error):
+        Settings(_env_file=None, **env)
+
+
+def test_relay_cluster_setting_picks_cluster_stream_keys() -> None:
+    settings = Settings(_env_file=None, relay_redis_cluster_url="redis://127.0.0.1:7000")
+    assert keys_for(settings).stream_groups == CLUSTER_STREAM_GROUPS
+    assert keys_for(Settings(_env_file=None)).stream("job-1") == "ladle:stream:{job-1}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from shared.model_files import (
     ModelNotFoundError,
     ModelSource,
     converted_dir,
+    installed_root,
 )
 from shared.tokenizer import Tokenizer, load_tokenizer
 
@@ -95,6 +97,24 @@ def test_gguf_loads_from_its_converted_dir(tmp_path: Path) -> None:
     tokenizer = load_tokenizer(str(gguf), cache_dir=str(cache))
     assert tokenizer.encode("hi there") == [3, 4]
     assert tokenizer.eos_token_ids == [2, 7]  # generation_config.json of the conversion
+
+
+def test_a_conversion_made_at_install_is_found_with_an_empty_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`python -m worker.prepare` converts into the environment; an empty cache finds it."""
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "venv"))
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"not read when a conversion exists")
+    source, cache = ModelSource("gguf", gguf), str(tmp_path / "empty-cache")
+    assert converted_dir(source, cache).is_relative_to(tmp_path / "empty-cache")
+    installed = converted_dir(source, root=installed_root())
+    assert installed.is_relative_to(tmp_path / "venv" / "share" / "ladle")
+    installed.mkdir(parents=True)
+    write_tiny_model_dir(installed)
+    (installed / "model.safetensors").write_bytes(b"")  # a finished conversion has weights
+    assert converted_dir(source, cache) == installed
+    assert load_tokenizer(str(gguf), cache_dir=cache).encode("hi there") == [3, 4]
 
 
 def test_unknown_model_ref(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ class _Service:
     def __init__(self) -> None:
         self.settings = Settings()
         self.wake = asyncio.Event()
+        self.worker_id = "w1"
 
 
 def test_running_jobs_are_dropped_before_arq_checks_them() -> None:
@@ -42,6 +43,19 @@ def test_running_jobs_are_dropped_before_arq_checks_them() -> None:
     kept, none_left = asyncio.run(scenario())
     assert kept == [b"new", b"ended"]
     assert none_left == []
+
+
+def test_jobs_held_for_another_worker_are_left_to_it_until_the_hold_ends() -> None:
+    async def scenario() -> list[bytes]:
+        pool = ArqRedis(connection_pool=fakeredis.FakeAsyncRedis().connection_pool)
+        worker = LadleWorker(_Service(), Settings(), pool)  # type: ignore[arg-type]
+        await pool.set(worker.keys.routed("for-me"), "w1", px=60_000)
+        await pool.set(worker.keys.routed("for-w2"), "w2", px=60_000)
+        await pool.set(worker.keys.routed("hold-over"), "w2", px=1)
+        await asyncio.sleep(0.01)
+        return await worker._not_running([b"for-me", b"for-w2", b"hold-over", b"anyone"])
+
+    assert asyncio.run(scenario()) == [b"for-me", b"hold-over", b"anyone"]
 
 
 def test_a_wake_up_ends_the_wait_between_polls(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,7 +9,10 @@ thread). The winners become each layer's `BucketedKernel`; losers are dropped.
 
 Batch invariant plans (`LLM_DETERMINISTIC`, the default) time only the kernels that sum a row
 the same way at every row count, and give each group one of them for every bucket: the one
-whose times, each relative to that bucket's fastest, add up least.
+whose times, each relative to that bucket's fastest, add up least. Where each group has only
+one such kernel (no AMX: `native`), there is nothing to time: that plan is used at once, and
+the decode threads are found while serving. A plan never changes while a worker serves: a
+kernel changed mid-run would change how a row sums.
 
 The plan is cached as JSON under `{cache}/kernels/`, keyed by CPU model, flags, torch version,
 thread count, dtype, shapes and candidates, so a restart on the same machine skips the
@@ -197,6 +200,24 @@ def fixed_plan(model: nn.Module, name: str, buckets: list[int]) -> KernelPlan:
     return KernelPlan({g: {str(b): name for b in buckets} for g in groups}, source="setting")
 
 
+def only_invariant_kernels(model: nn.Module) -> dict[str, str] | None:
+    """group -> its one batch-invariant kernel, when each group has exactly one (a CPU
+    without AMX: `native`). Timing could then only pick those; the decode threads are chosen
+    while serving anyway (worker/engine/threads.py). None when some group has a choice."""
+    only: dict[str, str] = {}
+    for group, layers in linear_groups(model).items():
+        layer = layers[0]
+        fits = [
+            name
+            for name in kernel_names()
+            if getattr(build_kernel(name, layer.weight, layer.bias), "batch_invariant", False)
+        ]
+        if len(fits) > 1:
+            return None
+        only[group] = fits[0] if fits else "plain"
+    return only
+
+
 def plan_is_invariant(model: nn.Module) -> bool:
     """Whether every linear now runs one batch-invariant kernel (quantized ones included)."""
     return all(
@@ -286,6 +307,10 @@ def _cached_or_measured(
     cache_dir: str | None,
     invariant: bool,
 ) -> KernelPlan:
+    only = only_invariant_kernels(model) if invariant else None
+    if only is not None:  # nothing to choose between: no timing, nothing to cache
+        kernels = {group: {str(b): name for b in buckets} for group, name in only.items()}
+        return KernelPlan(kernels, source="only invariant kernel", invariant=True)
     path = plan_cache_path(model, buckets, max_threads, cache_dir, invariant)
     try:
         plan = KernelPlan(**json.loads(path.read_text()))

@@ -88,6 +88,8 @@ class EngineStats:
     # CPU threads per kind of step as chosen now, and how often a choice changed (threads.py)
     step_threads: dict[str, int] = field(default_factory=dict)
     num_thread_switches: int = 0
+    # The prefix cache's block hashes (the same tuple until it changes): the worker's fingerprint
+    cached_block_hashes: tuple[bytes, ...] = ()
 
     @property
     def spec_acceptance_rate(self) -> float:
@@ -282,6 +284,7 @@ class LLMEngine:
             num_decode_tokens=spec.num_decode_tokens,
             step_threads=threads.choices() if threads else {},
             num_thread_switches=threads.num_switches if threads else 0,
+            cached_block_hashes=bm.cached_hashes(),
         )
 
     # ---- internals ---------------------------------------------------------------------

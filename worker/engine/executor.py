@@ -71,6 +71,7 @@ class TorchExecutor:
         self.num_local_blocks, self.sliding_window = pools.num_local_blocks, pools.window
         self.device = str(loaded.device)
         self.dtype = str(loaded.dtype).removeprefix("torch.")
+        self.quantization = loaded.quantization  # as loaded: "auto" resolved per layer
         self.num_threads = torch.get_num_threads()
         self.native_kernels = native.configure(
             _wants_native(config, loaded.device.type, loaded.dtype), config.cache_dir

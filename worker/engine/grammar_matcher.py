@@ -10,8 +10,6 @@ preempted request keeps its output tokens, so its matcher stays in step without 
 
 from __future__ import annotations
 
-import copy
-import json
 import logging
 import threading
 from collections import OrderedDict
@@ -22,6 +20,7 @@ import numpy as np
 import torch
 
 from shared.grammar import GrammarError, check_grammar, grammar_key
+from worker.engine.grammar_tokenizer import ll_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +62,7 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-tokenizer")
         self._tokenizer: Future[Any] = self._pool.submit(
-            _ll_tokenizer, hf_tokenizer, vocab_size, eos_token_ids
+            ll_tokenizer, hf_tokenizer, vocab_size, eos_token_ids
         )
 
     def matcher(self, grammar: str) -> GrammarMatcher:
@@ -94,38 +93,6 @@ class GrammarCompiler:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _ll_tokenizer(hf_tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> Any:
-    """llguidance's view of a fast HF tokenizer (what `llguidance.hf.from_tokenizer` does,
-    with non-special added tokens made plain, see `_plain_added_tokens`)."""
-    import llguidance
-
-    backend = copy.copy(hf_tokenizer.backend_tokenizer)
-    backend.no_padding()
-    backend.no_truncation()
-    spec = json.loads(backend.to_str())
-    _plain_added_tokens(spec)
-    return llguidance.LLTokenizer(
-        json.dumps(spec), n_vocab=vocab_size, eos_token=eos_token_ids or None
-    )
-
-
-def _plain_added_tokens(spec: dict[str, Any]) -> None:
-    """Move non-special added ASCII tokens (Qwen's `<tool_call>`) into a byte-level BPE
-    vocabulary. llguidance treats every added token as special, so a grammar that spells
-    `<tool_call>` was offered that token and then refused it (the sequence ended early)."""
-    model = spec.get("model") or {}
-    if model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
-        return
-    kept = []
-    for token in spec.get("added_tokens", []):
-        text = token["content"]
-        if not token["special"] and text.isascii() and text.isprintable() and " " not in text:
-            model["vocab"][text] = token["id"]
-        else:
-            kept.append(token)
-    spec["added_tokens"] = kept
 
 
 _executor: Any = None

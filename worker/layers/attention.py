@@ -53,10 +53,8 @@ class PagedAttention(nn.Module):
         addressed by the step's `metadata.local`."""
         self.k_cache, self.v_cache = k_cache, v_cache
         self.local_pool = local_pool
-        # the native row kernel takes a window as each row's first position; it soft-caps
-        # scores once its schema has a `softcap` argument (until then such layers are eager)
-        capped_ok = self.softcap is None or native.attention_softcap_supported()
-        self.native_rows = capped_ok and rows_supported(k_cache, self.num_heads)
+        # the native row kernel takes a window as each row's first position, and soft-caps
+        self.native_rows = rows_supported(k_cache, self.num_heads)
         self.layer_id = torch.tensor(handle_of(self))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -121,10 +121,18 @@ class PackedLinear(Linear):
 ROUTERS = ("gate", "shared_expert_gate")  # MoE routers: tiny, and they pick the experts
 
 
+def file_mode(module: Linear) -> str:
+    """The mode "auto" serves a layer in: its checkpoint tensors' own (int8 where its shards
+    differ), "none" where it loaded float weights only."""
+    modes = {tensor.mode for tensor in (module.pending_quantized or {}).values()}
+    return "int8" if "int8" in modes else "int4" if modes else "none"
+
+
 def quantize_linears(
     model: nn.Module, mode: str, keep: tuple[str, ...] = ("lm_head", *ROUTERS)
 ) -> int:
-    """Quantize every `Linear` of `model` but those named in `keep`; returns how many were.
+    """Quantize every `Linear` of `model` but those named in `keep` to `mode` ("auto": each
+    to `file_mode`); returns how many were.
 
     The lm_head stays in the model dtype: it is often tied to the embeddings, and its
     rounding moves every logit (llama.cpp keeps a wider type for it too); so do MoE routers
@@ -135,6 +143,10 @@ def quantize_linears(
         for name, module in model.named_modules()
         if isinstance(module, Linear) and name.rsplit(".", 1)[-1] not in keep
     ]
+    count = 0
     for module in linears:
-        module.quantize_rows(mode)
-    return len(linears)
+        chosen = file_mode(module) if mode == "auto" else mode
+        if chosen != "none":
+            module.quantize_rows(chosen)
+            count += 1
+    return count

@@ -7,14 +7,16 @@ packed once into a kernel that computes `x @ W.T + b`:
 
 * int8: `aten._weight_int8pack_mm` (int8 [N, K] and one scale per output row);
 * int4: `aten._weight_int4pack_mm_for_cpu` on `_convert_weight_to_int4pack_for_cpu`'s
-  layout, groups of `group_size` input features with a scale and a zero point each. Its
-  dequantisation is `(q - 8) * scale + zero`, so GGUF's `q * d + m` (Q4_1) maps exactly with
-  zero = m + 8 d, and Q4_0's `(q - 8) * d` with zero = 0.
+  layout, groups of `group_size` input features with a scale and a zero point each, or
+  Ladle's native int4 kernel (groups of 32, float32 scale and min per group, w = q s + m),
+  onto which GGUF's Q4_0 (s = d, m = -8 d), Q4_1 (s = d, m) and Q4_K (s = d sc, m = -dmin mb)
+  map exactly (`worker/models/gguf_quant.py`).
 
-Both kernels run on bf16 activations and scales (`COMPUTE_DTYPE`), whatever the model dtype:
+Both kernels run on bf16 activations (`COMPUTE_DTYPE`), whatever the model dtype:
 torch 2.13's CPU kernels are vectorised for bf16 only; with float32 or fp16 activations they
 took 15-30x longer on SmolLM2's shapes (`loadtest.quant_kernels`, 2026-11-30, EPYC Zen 4).
-GGUF's fp16 scales are rounded to bf16 on the way (relative error <= 2^-9 per group).
+torch's kernel holds scales and zeros in bf16 (relative error <= 2^-9 per group); the native
+one holds them in float32, exactly.
 torchao 0.18 was read, not adopted: its CPU int4/int8 weight-only tensors call these same aten
 ops (`prototype/quantization/int4/int4_opaque_tensor.py`) and its PyPI wheel ships no CPU
 kernels of its own.
@@ -28,7 +30,9 @@ import torch
 
 from worker.layers import native
 
-QUANTIZATION_MODES = ("none", "int8", "int4")
+# "auto": what the checkpoint holds (a GGUF's 4-bit tensors in int4, 5-8-bit in int8; float
+# checkpoints in the model dtype), resolved at load (`worker/models/loader.py`).
+QUANTIZATION_MODES = ("auto", "none", "int8", "int4")
 # GGUF's Q4_0/Q4_1 block size; float weights are quantized with it too (finer groups, better
 # accuracy; the kernel's speed barely depends on it at these shapes).
 INT4_GROUP_SIZE = 32
@@ -48,7 +52,7 @@ def check_quantization(mode: str, device: torch.device | str = "cpu") -> None:
     """Raise a clear error where `mode` cannot run on `device` with this torch."""
     if mode not in QUANTIZATION_MODES:
         raise ValueError(f"unknown quantization {mode!r}; use {', '.join(QUANTIZATION_MODES)}")
-    if mode == "none":
+    if mode in ("none", "auto"):  # auto quantizes only where the kernels serve it
         return
     if torch.device(device).type != "cpu":
         raise QuantizationUnavailable(f"quantization {mode} runs on CPU only, not {device}")
@@ -123,10 +127,8 @@ def quantize_int4(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE) -> Qu
     if cols % group_size:
         raise ValueError(f"in_features {cols} is not a multiple of the group size {group_size}")
     groups = weight.detach().float().reshape(rows, cols // group_size, group_size)
-    low = groups.amin(dim=2)
-    scales = _kernel_exact(((groups.amax(dim=2) - low) / 15).clamp(min=1e-12))
-    # The kernel computes (q - 8) * scale + zero; zero is held in COMPUTE_DTYPE too.
-    mins = _kernel_exact(low + 8 * scales) - 8 * scales
+    mins = groups.amin(dim=2)  # held in float32 by the native kernel, as computed here
+    scales = ((groups.amax(dim=2) - mins) / 15).clamp(min=1e-12)
     values = torch.round((groups - mins[..., None]) / scales[..., None]).clamp(0, 15)
     return QuantizedTensor("int4", values.to(torch.uint8).reshape(rows, cols), scales, mins)
 
@@ -206,9 +208,9 @@ class Int8Kernel(WeightOnlyKernel):
 
 
 class Int4Kernel(WeightOnlyKernel):
-    """Group-wise int4 W: Ladle's native kernel where it loaded (groups of 32, bf16 compute),
-    else `aten._weight_int4pack_mm_for_cpu`. Both hold bf16 scales and zeros and compute
-    with bf16 activations: the same weights, up to the order of the sums.
+    """Group-wise int4 W: Ladle's native kernel where it loaded (groups of 32, float32 scales
+    and mins, exactly the `QuantizedTensor`'s), else `aten._weight_int4pack_mm_for_cpu` (bf16
+    scales and zeros). Both compute with bf16 activations.
 
     The native one streams nibbles straight into bf16 dot products, one row or many, in one
     order per row (batch invariant, `worker/layers/native/gemm_int4.cpp`)."""
@@ -222,13 +224,12 @@ class Int4Kernel(WeightOnlyKernel):
         self.group_size = weight.group_size
         if self.group_size not in INT4_GROUP_SIZES:
             raise ValueError(f"int4 kernel needs a group size in {INT4_GROUP_SIZES}")
-        # zero = the value at q = 8
-        zeros = weight.mins + 8 * weight.scales
         n, k = weight.shape
         if self.compute_dtype == torch.bfloat16 and native.int4_packable(n, k, self.group_size):
-            self.native_packed = native.pack_int4(weight.values, weight.scales, zeros)
+            self.native_packed = native.pack_int4(weight.values, weight.scales, weight.mins)
             self.name = "int4-native"
             return
+        zeros = weight.mins + 8 * weight.scales  # torch's zero: the value at q = 8
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
             weight.values.to(torch.int32).contiguous(), 1
         )

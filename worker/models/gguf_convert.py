@@ -2,17 +2,19 @@
 tokenizer), written atomically so that later starts load the directory directly.
 
 The config and tokenizer come from transformers' GGUF readers; tensors are dequantised with
-the `gguf` package, renamed to HF names, and llama.cpp's Q/K row permutation is undone.
+the `gguf` package, renamed to HF names (`gguf_names.py`), and llama.cpp's Q/K row
+permutation is undone; what transformers' config reader leaves out comes from the file's
+metadata (`gguf_config.py`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import re
 import shutil
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,56 +23,44 @@ import torch
 from safetensors.torch import save_file
 
 from worker.models.errors import ModelConfigError
+from worker.models.gguf_config import complete_config
+from worker.models.gguf_names import CONFIG_TENSORS, hf_name, is_expert_stack
 from worker.models.registry import MODEL_TYPES
 
 log = logging.getLogger(__name__)
 
-# transformers' model_type for each GGUF arch we serve (gemma3's is gemma3_text)
-SUPPORTED_GGUF_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
+# transformers' model_type for each GGUF arch we serve (gemma3's is gemma3_text; a llama
+# file with experts is Mixtral)
+SUPPORTED_GGUF_ARCHS = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma2",
+    "gemma3_text",
+    "phi3",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+)
 # Architectures whose Q/K rows llama.cpp permuted at conversion.
-PERMUTED_ARCHS = ("llama", "mistral")
+PERMUTED_ARCHS = ("llama", "mistral", "mixtral")
 # Architectures whose norm weights llama.cpp stored as 1 + w (Gemma's form, made plain).
 PLUS_ONE_NORM_ARCHS = ("gemma2", "gemma3_text")
 
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_BLOCK_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-# Gemma's sandwich norms: ffn_norm is the norm before the MLP, and two more after
-_GEMMA_BLOCK_NAMES = {
-    **_BLOCK_NAMES,
-    "post_attention_norm": "post_attention_layernorm",
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-}
-_BLOCK_NAMES_BY_ARCH = {"gemma2": _GEMMA_BLOCK_NAMES, "gemma3_text": _GEMMA_BLOCK_NAMES}
-_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
+@dataclass
+class GGUFPiece:
+    """One HF tensor's part of a GGUF tensor: all of it, or one expert of a stack."""
 
-def hf_name(gguf_name: str, arch: str = "llama") -> str:
-    """The HF parameter name for a GGUF tensor name (of a file of transformers' `arch`)."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    names = _BLOCK_NAMES_BY_ARCH.get(arch, _BLOCK_NAMES)
-    match = _BLOCK_RE.fullmatch(gguf_name)
-    if match is None or match.group(2) not in names:
-        raise ModelConfigError(f"unknown GGUF tensor {gguf_name!r}")
-    layer, part, kind = match.groups()
-    return f"model.layers.{layer}.{names[part]}.{kind}"
+    tensor: Any  # gguf's ReaderTensor
+    data: np.ndarray  # its raw data (uint8 blocks, or floats), this piece only
+    shape: tuple[int, ...]  # HF's row-major shape of this piece
+    heads: int | None = None  # heads whose Q/K row interleaving to undo
+
+    @property
+    def kind(self) -> str:
+        return self.tensor.tensor_type.name
 
 
 def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -80,46 +70,63 @@ def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return rows.swapaxes(1, 2).reshape(weight.shape)
 
 
-def gguf_entries(path: Path, config: dict) -> Iterator[tuple[str, Any, int | None]]:
-    """(HF name, GGUF tensor, heads whose Q/K row interleaving to undo or None) per tensor."""
+def _permuted_heads(name: str, config: dict) -> int | None:
+    if config["model_type"] not in PERMUTED_ARCHS:
+        return None
+    if ".attn_q." in name:
+        return config["num_attention_heads"]
+    if ".attn_k." in name:
+        return config["num_key_value_heads"]
+    return None
+
+
+def gguf_entries(path: Path, config: dict) -> Iterator[tuple[str, GGUFPiece]]:
+    """(HF name, its piece of a GGUF tensor) for every weight in the file."""
     from gguf import GGUFReader
 
     arch = config["model_type"]
     for tensor in GGUFReader(str(path)).tensors:
-        heads = None
-        if arch in PERMUTED_ARCHS and ".attn_q." in tensor.name:
-            heads = config["num_attention_heads"]
-        elif arch in PERMUTED_ARCHS and ".attn_k." in tensor.name:
-            heads = config["num_key_value_heads"]
-        yield hf_name(tensor.name, arch), tensor, heads
+        if tensor.name in CONFIG_TENSORS:
+            continue
+        shape = tuple(reversed([int(n) for n in tensor.shape]))
+        if not is_expert_stack(tensor.name):
+            piece = GGUFPiece(tensor, tensor.data, shape, _permuted_heads(tensor.name, config))
+            yield hf_name(tensor.name, arch), piece
+            continue
+        for expert in range(shape[0]):
+            piece = GGUFPiece(tensor, tensor.data[expert], shape[1:])
+            yield hf_name(tensor.name, arch, expert), piece
 
 
-def dequantized(tensor: Any) -> np.ndarray:
-    """A GGUF tensor as float32, in HF's row-major shape ([out, in] for a weight)."""
+def dequantized(piece: GGUFPiece) -> np.ndarray:
+    """A GGUF piece as float32, in HF's row-major shape ([out, in] for a weight)."""
     from gguf.quants import dequantize
 
-    array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
-    return array.reshape(tuple(reversed([int(n) for n in tensor.shape])))
+    array = dequantize(piece.data, piece.tensor.tensor_type).astype(np.float32, copy=False)
+    return array.reshape(piece.shape)
 
 
-def float_tensor(name: str, tensor: Any, heads: int | None, arch: str) -> np.ndarray:
-    """A GGUF tensor as HF's float32 values: dequantised, llama.cpp's Q/K permutation and
+def float_tensor(name: str, piece: GGUFPiece, arch: str) -> np.ndarray:
+    """A GGUF piece as HF's float32 values: dequantised, llama.cpp's Q/K permutation and
     Gemma's stored 1 + w undone."""
-    array = dequantized(tensor)
-    if heads is not None:
-        array = unpermute_qk(array, heads)
+    array = dequantized(piece)
+    if piece.heads is not None:
+        array = unpermute_qk(array, piece.heads)
     if arch in PLUS_ONE_NORM_ARCHS and name.endswith("norm.weight"):
         array = array - 1.0
+    if name.endswith("shared_expert_gate.weight"):
+        array = array.reshape(1, -1)  # a vector in the file, HF's Linear(hidden, 1)
     return array
 
 
 def gguf_tensors(path: Path, config: dict) -> Iterator[tuple[str, np.ndarray]]:
     """(HF name, float32 array) for every tensor in the file, as HF holds it."""
-    for name, tensor, heads in gguf_entries(path, config):
-        yield name, float_tensor(name, tensor, heads, config["model_type"])
+    for name, piece in gguf_entries(path, config):
+        yield name, float_tensor(name, piece, config["model_type"])
 
 
 def _write_config(gguf_path: Path, out: Path) -> dict:
+    from gguf import GGUFReader
     from transformers import AutoConfig
 
     try:
@@ -127,6 +134,10 @@ def _write_config(gguf_path: Path, out: Path) -> dict:
     except (ValueError, KeyError) as exc:  # transformers cannot read this architecture
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ModelConfigError(f"cannot read GGUF {gguf_path.name}: {first_line}") from exc
+    values = complete_config(config.to_dict(), GGUFReader(str(gguf_path)))
+    if values["model_type"] != config.model_type:  # a llama file with experts: Mixtral
+        values.pop("architectures", None)
+    config = AutoConfig.for_model(**values)
     if config.model_type not in SUPPORTED_GGUF_ARCHS:
         raise ModelConfigError(
             f"unsupported GGUF architecture {config.model_type!r}; "
@@ -167,13 +178,20 @@ def _make_readable(directory: Path) -> None:
         path.chmod(0o644)
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.float32) -> Path:
-    """Write the HF directory for `gguf_path` at `out_dir` (tmp dir, then rename)."""
+def convert_gguf(
+    gguf_path: Path,
+    out_dir: Path,
+    dtype: torch.dtype = torch.float32,
+    with_tokenizer: bool = True,
+) -> Path:
+    """Write the HF directory for `gguf_path` at `out_dir` (tmp dir, then rename);
+    `with_tokenizer=False` for a file without one (tests' tiny models)."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
     try:
         config = _write_config(gguf_path, tmp)
-        _write_tokenizer(gguf_path, tmp)
+        if with_tokenizer:
+            _write_tokenizer(gguf_path, tmp)
         _write_weights(gguf_path, tmp, config, dtype)
         _make_readable(tmp)
         try:

@@ -2,7 +2,8 @@
 
 A GGUF is converted once into an HF directory under the cache; later starts read that.
 With quantization on, a GGUF's weights are read from the file itself instead, so that its
-Q4_0/Q4_1 blocks reach the int4 layers as they are (`gguf_quant.py`).
+Q4_0/Q4_1/Q4_K blocks reach the int4 layers as they are (`gguf_quant.py`); "auto" (the
+default) serves each tensor in the precision the file holds it.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import contextlib
 import json
 import logging
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,8 +23,8 @@ from safetensors import safe_open
 from torch import nn
 
 from shared.model_files import converted_dir, resolve_model
-from worker.layers.linear import quantize_linears
-from worker.layers.quant import QuantizedTensor, check_quantization
+from worker.layers.linear import Linear, quantize_linears
+from worker.layers.quant import QuantizationUnavailable, QuantizedTensor, check_quantization
 from worker.models.errors import ModelConfigError
 from worker.models.gguf_convert import convert_gguf
 from worker.models.gguf_quant import gguf_quantized_weights
@@ -34,8 +36,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 @dataclass
-class LoadedModel:
-    """A model ready to run, and what the engine needs to know about it."""
+class LoadedWeights:
+    """What every loaded model has, a generator or a pooling model."""
 
     model: nn.Module
     hf_config: Any
@@ -43,6 +45,12 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     max_model_len: int
+
+
+@dataclass
+class LoadedModel(LoadedWeights):
+    """A generator ready to run, and what the engine needs to know about it."""
+
     eos_token_ids: list[int]
     quantization: str = "none"
 
@@ -134,6 +142,7 @@ def load_model(
 
     `quantization` "int8"/"int4" makes every projection but the lm_head weight-only
     quantized (`worker/layers/quant.py`); embeddings, norms and the lm_head keep `dtype`.
+    "auto" follows a GGUF's own types (`resolve_quantization`).
     """
     from transformers import AutoConfig
 
@@ -143,6 +152,7 @@ def load_model(
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     check_quantization(quantization, torch_device)
+    quantization = resolve_quantization(quantization, ref, torch_device, torch_dtype)
     model_len = _max_model_len(config, max_model_len)
     with _default_dtype(torch_dtype), torch.device("meta"):
         model = build_model(config, model_len)
@@ -151,16 +161,16 @@ def load_model(
         model.load_weights(_checkpoint(ref, model_dir, config, quantization))
         if quantization != "none":
             quantize_linears(model, quantization)
+            quantization = precision_label(model, quantization)
         model.post_load()
     model.eval()
-    log.info(
-        "loaded %s (%s, %s, quantization %s, %s) in %.1fs",
+    log_loaded(
         model_dir,
+        started,
         type(model).__name__,
         torch_dtype,
-        quantization,
+        f"quantization {quantization}",
         torch_device,
-        time.perf_counter() - started,
     )
     return LoadedModel(
         model=model,
@@ -172,6 +182,42 @@ def load_model(
         eos_token_ids=eos_token_ids(model_dir, config),
         quantization=quantization,
     )
+
+
+def log_loaded(model_dir: Path, started: float, *details: object) -> None:
+    """One line a load, for a generator or a pooling model: from where, as what, how long."""
+    described = ", ".join(str(detail) for detail in details)
+    log.info("loaded %s (%s) in %.1fs", model_dir, described, time.perf_counter() - started)
+
+
+def resolve_quantization(mode: str, ref: str, device: torch.device, dtype: torch.dtype) -> str:
+    """ "auto": per tensor as the GGUF holds it (`gguf_quant.AUTO_MODES`) where the quantized
+    kernels serve it (CPU, bf16 compute); "none" for float checkpoints, other devices, or a
+    float32/float16 model (its user asked for float precision)."""
+    if mode != "auto":
+        return mode
+    gguf = resolve_model(ref).kind == "gguf"
+    if not (gguf and device.type == "cpu" and dtype == torch.bfloat16):
+        return "none"
+    try:
+        for needed in ("int4", "int8"):
+            check_quantization(needed, device)
+    except QuantizationUnavailable:
+        return "none"
+    return "auto"
+
+
+def precision_label(model: nn.Module, mode: str) -> str:
+    """What the projections are served in: `mode`, or for "auto" the count per mode."""
+    if mode != "auto":
+        return mode
+    counts = Counter(
+        module.quantized.name.split("-")[0]
+        for module in model.modules()
+        if isinstance(module, Linear) and module.quantized is not None
+    )
+    parts = [f"{name} x {count}" for name, count in sorted(counts.items())]
+    return f"auto ({', '.join(parts) or 'none'})"
 
 
 def _read_config(model_dir: Path, auto_config: Any) -> Any:
@@ -193,7 +239,7 @@ def _checkpoint(
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
     """The weights to load: a quantized GGUF's own blocks when quantizing, else safetensors."""
     source = resolve_model(ref)
-    if quantization != "none" and source.kind == "gguf":
+    if quantization != "none" and source.kind == "gguf":  # its own blocks, never via bf16
         return gguf_quantized_weights(source.path, config.to_dict(), quantization)
     return iter_safetensors(model_dir)
 

@@ -13,7 +13,14 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from worker.models.loader import hf_dir_for, iter_safetensors, resolve_device, resolve_dtype
+from worker.models.loader import (
+    LoadedWeights,
+    hf_dir_for,
+    iter_safetensors,
+    log_loaded,
+    resolve_device,
+    resolve_dtype,
+)
 from worker.models.registry import build_pooling_model, pooling_architecture
 from worker.models.sentence_config import PoolingConfig, read_pooling_config, transformer_dir
 
@@ -23,16 +30,10 @@ Task = Literal["embed", "score"]
 
 
 @dataclass
-class LoadedPoolingModel:
+class LoadedPoolingModel(LoadedWeights):
     """A model that turns whole inputs into vectors (`embed`) or relevance scores (`score`)."""
 
-    model: nn.Module
-    hf_config: Any
-    model_dir: Path
     weights_dir: Path
-    dtype: torch.dtype
-    device: torch.device
-    max_model_len: int
     task: Task
     pooling: PoolingConfig
     hidden_size: int
@@ -71,14 +72,7 @@ def load_pooling_model(
     torch_dtype = resolve_dtype(dtype, torch_device)
     model = _built(config, architecture, weights_dir, torch_device, torch_dtype)
     pooling = read_pooling_config(model_dir, config.to_dict(), model.is_causal)
-    log.info(
-        "loaded %s (%s, %s, %s) in %.1fs",
-        model_dir,
-        architecture,
-        torch_dtype,
-        torch_device,
-        time.perf_counter() - started,
-    )
+    log_loaded(model_dir, started, architecture, torch_dtype, torch_device)
     return LoadedPoolingModel(
         model=model,
         hf_config=config,

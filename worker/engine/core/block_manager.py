@@ -11,14 +11,11 @@ block takes it back out of the free list.
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from shared.prefixes import BlockHash, hash_block
 from worker.engine.core.request import Request
-
-BlockHash = bytes
 
 
 @dataclass
@@ -30,13 +27,6 @@ class KVBlock:
     block_hash: BlockHash | None = None
     parent_hash: BlockHash | None = None
     token_ids: tuple[int, ...] | None = None
-
-
-def hash_block(parent_hash: BlockHash | None, token_ids: tuple[int, ...]) -> BlockHash:
-    """Chained, deterministic hash of a full block (stable across processes)."""
-    hasher = hashlib.sha256(parent_hash or b"\x00")
-    hasher.update(array("q", token_ids).tobytes())
-    return hasher.digest()
 
 
 def cdiv(a: int, b: int) -> int:
@@ -73,6 +63,9 @@ class BlockManager:
         self._pending_stats: dict[str, tuple[int, int]] = {}
         self.num_prefix_query_tokens = 0
         self.num_prefix_hit_tokens = 0
+        # The cached hashes as of the last change, rebuilt only after one (a worker publishes
+        # them as its prefix fingerprint).
+        self._cached_snapshot: tuple[BlockHash, ...] | None = ()
 
     # ---- state ---------------------------------------------------------------------------
 
@@ -93,6 +86,12 @@ class BlockManager:
     def num_cached_blocks(self) -> int:
         """Blocks currently registered in the prefix cache (in use or free)."""
         return len(self._cached)
+
+    def cached_hashes(self) -> tuple[BlockHash, ...]:
+        """Every hash the prefix cache holds now; the same tuple until the cache changes."""
+        if self._cached_snapshot is None:
+            self._cached_snapshot = tuple(self._cached)
+        return self._cached_snapshot
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return list(self._tables.get(request_id, ()))
@@ -236,6 +235,7 @@ class BlockManager:
                 block.parent_hash = parent
                 block.token_ids = token_ids
                 self._cached[block_hash] = block.block_id
+                self._cached_snapshot = None
 
     def free(self, request_id: str) -> None:
         """Drop the request's references; blocks reaching 0 join the free list's tail.
@@ -276,6 +276,7 @@ class BlockManager:
         for block in self.blocks:
             block.block_hash = block.parent_hash = block.token_ids = None
         self._cached.clear()
+        self._cached_snapshot = None
 
     # ---- internals -----------------------------------------------------------------------
 
@@ -308,4 +309,5 @@ class BlockManager:
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None and self._cached.get(block.block_hash) == block.block_id:
             del self._cached[block.block_hash]
+            self._cached_snapshot = None
         block.block_hash = block.parent_hash = block.token_ids = None

@@ -7,7 +7,9 @@ loads them with `torch.ops.load_library`; the ops then live under `torch.ops.lad
 Every op computes a row the same way whatever else is in the call (`gemm.h`).
 The shared object is cached under `{cache}/native/`, keyed by the source, the CPU's model and
 flags, torch's version and the compiler's, so a restart on the same machine loads it in
-milliseconds (a first build takes ~20 s).
+milliseconds (a first build takes ~20 s). `make install` builds it once more into the
+environment (`python -m worker.prepare`, under `{sys.prefix}/share/ladle/native/`), where a
+start with an empty cache finds it under the same name.
 
 Nothing depends on it: where there is no compiler, the build fails, or the CPU lacks the
 instructions, `load` says why in one log line and returns False, and the kernels built on it
@@ -24,11 +26,12 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 
-from shared.model_files import cache_root
+from shared.model_files import cache_root, installed_root
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +105,11 @@ def library_path(cache_dir: str | None, compiler: str) -> Path:
     return cache_root(cache_dir) / "native" / f"ladle_native-{key.hexdigest()[:16]}.so"
 
 
+def installed_dir() -> Path:
+    """Where `make install` puts the build (inside the environment, beside its packages)."""
+    return installed_root() / "native"
+
+
 def _build(compiler: str, output: Path) -> None:
     """Compile every source at once (one process each), then link; atomic for the target."""
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -146,19 +154,34 @@ def load(cache_dir: str | None = None) -> bool:
     else:
         try:
             path = library_path(cache_dir, compiler)
+            installed = installed_dir() / path.name
+            path = installed if not path.exists() and installed.exists() else path
             built = not path.exists()
+            started = time.perf_counter()
             if built:
                 _build(compiler, path)
             torch.ops.load_library(str(path))
             loaded = bool(torch.ops.ladle_native.available())
             reason = "" if loaded else "this CPU has no AVX512-BF16"
-            logger.info("native kernels %s %s", "built at" if built else "loaded from", path)
+            how = "built at" if built else "loaded from"
+            logger.info("native kernels %s %s (%.1f s)", how, path, time.perf_counter() - started)
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
             reason = f"build or load failed: {exc}"
     _state.update(loaded=loaded, reason=reason)
     if not loaded:
         logger.info("native kernels not used: %s", reason)
     return loaded
+
+
+def prebuild(into: Path) -> Path | None:
+    """Build into `into` (install time), under the name a start looks for; None: no compiler."""
+    compiler = _compiler()
+    if compiler is None:
+        return None
+    path = into / library_path(None, compiler).name
+    if not path.exists():
+        _build(compiler, path)
+    return path
 
 
 def configure(enabled: bool, cache_dir: str | None = None) -> bool:
@@ -209,15 +232,6 @@ def attention_supported(head_dim: int, group: int) -> bool:
     return head_dim in (32, 64, 96, 128, 192, 256) and 1 <= group <= 16
 
 
-def attention_softcap_supported() -> bool:
-    """Whether `paged_attention_rows` soft-caps scores itself (a `softcap` argument in its
-    schema); until it does, a soft-capping layer (Gemma 2) attends eagerly."""
-    if not loaded():
-        return False
-    schema = torch.ops.ladle_native.paged_attention_rows.default._schema
-    return any(argument.name == "softcap" for argument in schema.arguments)
-
-
 def attention_rows(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -229,12 +243,10 @@ def attention_rows(
     softcap: float | None = None,
 ) -> torch.Tensor:
     """`ladle_native.paged_attention_rows`: each row over positions [start, context_len)
-    of its block table (start 0 without `starts`), scores soft-capped where `softcap` is set
-    (only where `attention_softcap_supported`)."""
-    op = torch.ops.ladle_native.paged_attention_rows
-    if softcap is None:
-        return op(q, k_cache, v_cache, tables, context_lens, scale, starts)
-    return op(q, k_cache, v_cache, tables, context_lens, scale, starts, softcap=softcap)
+    of its block table (start 0 without `starts`), scores soft-capped where `softcap`."""
+    return torch.ops.ladle_native.paged_attention_rows(
+        q, k_cache, v_cache, tables, context_lens, scale, starts, softcap or 0.0
+    )
 
 
 def amx_usable(out_features: int, in_features: int) -> bool:
@@ -247,19 +259,19 @@ def int4_packable(out_features: int, in_features: int, group_size: int) -> bool:
     return loaded() and group_size == 32 and out_features % 16 == 0 and in_features % 32 == 0
 
 
-def pack_int4(values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
-    """int4 [N, K] (0..15) with per-group scale and zero ([N, K/32]; w = (q - 8) s + z) ->
-    uint8 [N/16, K/32, 320], the layout `ladle_native.gemm_int4` streams: per block of 16
+def pack_int4(values: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """int4 [N, K] (0..15) with per-group scale and min ([N, K/32]; w = q s + m) ->
+    uint8 [N/16, K/32, 384], the layout `ladle_native.gemm_int4` streams: per block of 16
     rows and group, 8 chunks of 32 bytes holding k-pairs 2c (low nibbles) and 2c+1 (high)
-    as in `pack_bf16`, then the 16 rows' bf16 scales, then their bf16 zeros."""
+    as in `pack_bf16`, then the 16 rows' float32 scales, then their float32 mins."""
     n, k = values.shape
     blocks, groups = n // 16, k // 32
     # (block, row, group, chunk, nibble, e) -> (block, group, chunk, nibble, row, e)
     q = values.to(torch.uint8).reshape(blocks, 16, groups, 8, 2, 2).permute(0, 2, 3, 4, 1, 5)
     nibbles = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).reshape(blocks, groups, 256)
 
-    def per_row(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [blocks, G, 32] bf16 bytes
-        rows = t.to(torch.bfloat16).reshape(blocks, 16, groups).permute(0, 2, 1).contiguous()
-        return rows.view(torch.uint8).reshape(blocks, groups, 32)
+    def per_row(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [blocks, G, 64] float32 bytes
+        rows = t.to(torch.float32).reshape(blocks, 16, groups).permute(0, 2, 1).contiguous()
+        return rows.view(torch.uint8).reshape(blocks, groups, 64)
 
-    return torch.cat([nibbles, per_row(scales), per_row(zeros)], dim=2).contiguous()
+    return torch.cat([nibbles, per_row(scales), per_row(mins)], dim=2).contiguous()

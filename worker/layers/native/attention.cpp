@@ -7,10 +7,13 @@
 // (row, KV head) walks the row's block table in place (no gathered copy, no padding):
 //
 //   scores[g][p] = scale * q[g] . k[p]      (float32: vdpbf16ps for bf16, FMA for float32)
+//                  (then cap * tanh(scores / cap) where the layer soft-caps)
 //   probs        = softmax(scores)           (float32, vectorised exp)
 //   out[g]       = sum_p probs[g][p] v[p]    (float32, rounded to the cache's type at the end)
 //
-// for the G query heads sharing the KV head, keys read once for all G.
+// for the G query heads sharing the KV head, keys and values read once for all G (their value
+// sums side by side in registers). A thread keeps the positions' offsets of the last table it
+// walked, so the rows of one prefill (one table) cost no address arithmetic per position.
 // Reduction order, per row: a score is one chain over the head's 16-feature chunks in order,
 // then its 16 lanes summed by `sum_lanes16` (the same tree for every key); the softmax total
 // sums position p into lane (p - start) % 16, then the lanes in `_mm512_reduce_add_ps`'s
@@ -90,16 +93,44 @@ struct Cache {
   int64_t block_size;
 };
 
-template <class E, int D>
-const typename E::T* at_position(const void* head, const Cache& c, int64_t p) {
-  const auto* base = static_cast<const typename E::T*>(head);
-  return base + (c.table[p / c.block_size] * c.block_size + p % c.block_size) * D;
+// Element offsets of positions [0, blocks * block_size) of a block table inside one KV head's
+// cache, kept across the rows a thread attends: rows of one sequence (a prefill's tokens)
+// share a table, so only blocks not seen before are walked, with no division per position.
+class Positions {
+ public:
+  const int64_t* at(const int64_t* table, int64_t used, int64_t block_size, int64_t D) {
+    int64_t same = 0;
+    const int64_t known = static_cast<int64_t>(blocks_.size());
+    while (same < used && same < known && blocks_[same] == table[same]) ++same;
+    if (same == used) return offsets_.data();  // a shorter row of the same table: all known
+    blocks_.resize(same);
+    offsets_.resize(same * block_size);
+    for (int64_t b = same; b < used; ++b) {
+      blocks_.push_back(table[b]);
+      for (int64_t o = 0; o < block_size; ++o) offsets_.push_back((table[b] * block_size + o) * D);
+    }
+    return offsets_.data();
+  }
+
+ private:
+  std::vector<int64_t> blocks_;
+  std::vector<int64_t> offsets_;
+};
+
+// x -> cap * tanh(x / cap), with tanh(y) = 1 - 2 / (exp(2y) + 1): the soft-capping of Gemma 2.
+inline __m512 softcap_ps(__m512 x, float cap) {
+  const __m512 e = exp_ps(_mm512_mul_ps(x, _mm512_set1_ps(2.0f / cap)));
+  const __m512 t = _mm512_sub_ps(_mm512_set1_ps(1.0f),
+                                 _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, _mm512_set1_ps(1.0f))));
+  return _mm512_mul_ps(t, _mm512_set1_ps(cap));
 }
 
-// scores[g][p - first] for every first <= p < end, and each head's maximum.
+// scores[g][i] for the row's positions first + i < end (`offs` indexed by position), and
+// each head's maximum.
 template <class E, int D>
-void score(const typename E::T* q, int64_t q_head_stride, int G, const Cache& c, int64_t first,
-           int64_t end, float scale, float* scores, float* maxes) {
+void score(const typename E::T* q, int64_t q_head_stride, int G, const typename E::T* keys_base,
+           const int64_t* offs, int64_t first, int64_t end, float scale, float cap,
+           float* scores, float* maxes) {
   const int64_t len = end - first;
   constexpr int C = D / E::kPerChunk;
   typename E::Q qv[kMaxGroup][C];
@@ -111,7 +142,7 @@ void score(const typename E::T* q, int64_t q_head_stride, int G, const Cache& c,
   for (int64_t p0 = 0; p0 < len; p0 += kKeys) {
     const int64_t n = len - p0 < kKeys ? len - p0 : kKeys;
     for (int64_t j = 0; j < kKeys; ++j)  // past the end: the last key again, ignored
-      keys[j] = at_position<E, D>(c.k, c, first + p0 + (j < n ? j : n - 1));
+      keys[j] = keys_base + offs[first + p0 + (j < n ? j : n - 1)];
     const __mmask16 valid = tail_mask(n);
     for (int g = 0; g < G; ++g) {
       __m512 acc[kKeys];
@@ -119,54 +150,101 @@ void score(const typename E::T* q, int64_t q_head_stride, int G, const Cache& c,
         acc[j] = _mm512_setzero_ps();
         for (int i = 0; i < C; ++i) acc[j] = E::dot_step(acc[j], keys[j] + E::kPerChunk * i, qv[g][i]);
       }
-      const __m512 s = _mm512_mul_ps(sum_lanes16(acc), _mm512_set1_ps(scale));
+      __m512 s = _mm512_mul_ps(sum_lanes16(acc), _mm512_set1_ps(scale));
+      if (cap > 0.0f) s = softcap_ps(s, cap);
       _mm512_mask_storeu_ps(scores + g * len + p0, valid, s);
       maxes[g] = std::fmax(maxes[g], _mm512_mask_reduce_max_ps(valid, s));
     }
   }
 }
 
+// Each head's row of scores becomes exp(score - max), in place; returns 1 / their total.
+inline float exponentiate(float* row, int64_t len, float max) {
+  const __m512 mx = _mm512_set1_ps(max);
+  __m512 total = _mm512_setzero_ps();
+  int64_t p = 0;
+  for (; p + 16 <= len; p += 16) {
+    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(row + p), mx));
+    _mm512_storeu_ps(row + p, e);
+    total = _mm512_add_ps(total, e);
+  }
+  if (p < len) {
+    const __mmask16 tail = tail_mask(len - p);
+    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + p), mx));
+    _mm512_mask_storeu_ps(row + p, tail, e);
+    total = _mm512_add_ps(total, _mm512_maskz_mov_ps(tail, e));
+  }
+  return 1.0f / _mm512_reduce_add_ps(total);
+}
+
+// Query heads that share one pass over the values: as many as keep their sums in registers.
+template <int D>
+constexpr int kHeadsPerPass = (24 / (D / 16)) < 1 ? 1 : (24 / (D / 16));
+
+// out[g] = inv[g] * sum_p w[g][p] v[p] for N heads at once (each value read and widened once
+// for all of them); per head and feature one FMA chain over positions in order.
+template <class E, int D, int N>
+void weigh_values(const typename E::T* values_base, const int64_t* offs, int64_t first,
+                  int64_t len, const float* weights, int64_t weights_stride, const float* inv,
+                  typename E::T* out, int64_t out_head_stride) {
+  constexpr int V = D / 16;
+  __m512 acc[N][V];
+  for (int g = 0; g < N; ++g)
+    for (int i = 0; i < V; ++i) acc[g][i] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < len; ++p) {
+    const typename E::T* value = values_base + offs[first + p];
+    __m512 v[V];
+    for (int i = 0; i < V; ++i) v[i] = E::load16(value + 16 * i);
+    for (int g = 0; g < N; ++g) {
+      const __m512 w = _mm512_set1_ps(weights[g * weights_stride + p]);
+      for (int i = 0; i < V; ++i) acc[g][i] = _mm512_fmadd_ps(w, v[i], acc[g][i]);
+    }
+  }
+  for (int g = 0; g < N; ++g)
+    for (int i = 0; i < V; ++i)
+      E::store16(out + g * out_head_stride + 16 * i, _mm512_mul_ps(acc[g][i], _mm512_set1_ps(inv[g])));
+}
+
+template <class E, int D, int N = 1>
+void weigh_values_n(int n, const typename E::T* values_base, const int64_t* offs, int64_t first,
+                    int64_t len, const float* weights, int64_t weights_stride, const float* inv,
+                    typename E::T* out, int64_t out_head_stride) {
+  if constexpr (N < kHeadsPerPass<D>) {
+    if (n > N)
+      return weigh_values_n<E, D, N + 1>(n, values_base, offs, first, len, weights,
+                                         weights_stride, inv, out, out_head_stride);
+  }
+  weigh_values<E, D, N>(values_base, offs, first, len, weights, weights_stride, inv, out,
+                        out_head_stride);
+}
+
+struct Row {
+  const int64_t* offs;  // element offset of each position in a head's cache
+  int64_t first, end;
+};
+
 // One (row, KV head): G query heads of D features over cached positions [first, end).
 template <class E, int D>
-void attend(const typename E::T* q, int64_t q_head_stride, int G, const Cache& c, int64_t first,
-            int64_t end, float scale, typename E::T* out, int64_t out_head_stride,
+void attend(const typename E::T* q, int64_t q_head_stride, int G, const Cache& c, const Row& row,
+            float scale, float cap, typename E::T* out, int64_t out_head_stride,
             std::vector<float>& scores) {
-  const int64_t len = end - first;
+  const int64_t len = row.end - row.first;
   scores.resize(static_cast<size_t>(G) * len);
-  float maxes[kMaxGroup];
-  score<E, D>(q, q_head_stride, G, c, first, end, scale, scores.data(), maxes);
-  for (int g = 0; g < G; ++g) {
-    float* row = scores.data() + g * len;
-    const __m512 mx = _mm512_set1_ps(maxes[g]);
-    __m512 total = _mm512_setzero_ps();
-    int64_t p = 0;
-    for (; p + 16 <= len; p += 16) {
-      const __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(row + p), mx));
-      _mm512_storeu_ps(row + p, e);
-      total = _mm512_add_ps(total, e);
-    }
-    if (p < len) {
-      const __mmask16 tail = tail_mask(len - p);
-      const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + p), mx));
-      _mm512_mask_storeu_ps(row + p, tail, e);
-      total = _mm512_add_ps(total, _mm512_maskz_mov_ps(tail, e));
-    }
-    const float inv = 1.0f / _mm512_reduce_add_ps(total);
-    constexpr int V = D / 16;
-    __m512 acc[V];
-    for (int i = 0; i < V; ++i) acc[i] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < len; ++p) {
-      const typename E::T* value = at_position<E, D>(c.v, c, first + p);
-      const __m512 w = _mm512_set1_ps(row[p]);
-      for (int i = 0; i < V; ++i) acc[i] = _mm512_fmadd_ps(w, E::load16(value + 16 * i), acc[i]);
-    }
-    typename E::T* dst = out + g * out_head_stride;
-    for (int i = 0; i < V; ++i) E::store16(dst + 16 * i, _mm512_mul_ps(acc[i], _mm512_set1_ps(inv)));
+  float maxes[kMaxGroup], inv[kMaxGroup];
+  const auto* keys = static_cast<const typename E::T*>(c.k);
+  const auto* values = static_cast<const typename E::T*>(c.v);
+  score<E, D>(q, q_head_stride, G, keys, row.offs, row.first, row.end, scale, cap,
+              scores.data(), maxes);
+  for (int g = 0; g < G; ++g) inv[g] = exponentiate(scores.data() + g * len, len, maxes[g]);
+  for (int g = 0; g < G; g += kHeadsPerPass<D>) {
+    const int n = G - g < kHeadsPerPass<D> ? G - g : kHeadsPerPass<D>;
+    weigh_values_n<E, D>(n, values, row.offs, row.first, len, scores.data() + g * len, len,
+                         inv + g, out + g * out_head_stride, out_head_stride);
   }
 }
 
 template <class E>
-using AttendFn = void (*)(const typename E::T*, int64_t, int, const Cache&, int64_t, int64_t,
+using AttendFn = void (*)(const typename E::T*, int64_t, int, const Cache&, const Row&, float,
                           float, typename E::T*, int64_t, std::vector<float>&);
 
 template <class E>
@@ -189,8 +267,8 @@ inline int64_t balanced_row(int64_t t, int64_t rows) { return t % 2 ? rows - 1 -
 template <class E>
 void attend_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                  const at::Tensor& tables, const int64_t* starts, const int64_t* lens,
-                 double scale, at::Tensor& out) {
-  const int64_t R = q.size(0), H = q.size(1), D = q.size(2);
+                 double scale, double cap, at::Tensor& out) {
+  const int64_t R = q.size(0), H = q.size(1), D = q.size(2), q_row = q.stride(0);
   const int64_t Hkv = k_cache.size(0), bs = k_cache.size(2);
   const AttendFn<E> fn = attend_for<E>(D);
   TORCH_CHECK(fn != nullptr, "head_dim ", D, " not supported (32, 64, 96, 128, 192, 256)");
@@ -204,12 +282,14 @@ void attend_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   const int64_t head_cache = k_cache.size(1) * bs * D;
   at::parallel_for(0, R * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
+    Positions positions;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = balanced_row(task / Hkv, R), h = task % Hkv;
       const Cache c{kp + h * head_cache, vp + h * head_cache, tp + r * max_blocks, bs};
-      fn(qp + (r * H + h * G) * D, D, G, c, starts ? starts[r] : 0, lens[r],
-         static_cast<float>(scale),
-         op + (r * H + h * G) * D, D, scores);
+      const int64_t* offs = positions.at(c.table, (lens[r] + bs - 1) / bs, bs, D);
+      const Row row{offs, starts ? starts[r] : 0, lens[r]};
+      fn(qp + r * q_row + h * G * D, D, G, c, row, static_cast<float>(scale),
+         static_cast<float>(cap), op + (r * H + h * G) * D, D, scores);
     }
   });
 }
@@ -224,11 +304,12 @@ void check_cache(const at::Tensor& cache, const char* name) {
 
 // q [R, H, D]; caches [Hkv, blocks, block_size, D] of q's type; tables [R, >= blocks used]
 // int64; context_lens [R] int64 (>= 1); starts, if given, [R] int64, each row's first
-// position (0 <= start < context_len). Returns [R, H, D].
+// position (0 <= start < context_len); softcap > 0 caps the scaled scores (cap * tanh(s / cap)).
+// Returns [R, H, D].
 at::Tensor paged_attention_rows(const at::Tensor& q, const at::Tensor& k_cache,
                                 const at::Tensor& v_cache, const at::Tensor& tables,
                                 const at::Tensor& context_lens, double scale,
-                                const std::optional<at::Tensor>& starts) {
+                                const std::optional<at::Tensor>& starts, double softcap) {
   check_cache(k_cache, "k_cache");
   check_cache(v_cache, "v_cache");
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == k_cache.scalar_type(),
@@ -241,7 +322,11 @@ at::Tensor paged_attention_rows(const at::Tensor& q, const at::Tensor& k_cache,
   TORCH_CHECK(k_cache.size(3) == D && v_cache.sizes() == k_cache.sizes(), "cache shape");
   TORCH_CHECK(H % Hkv == 0 && H / Hkv <= 16, "query heads per KV head must be <= 16");
   TORCH_CHECK(tables.size(0) == R && context_lens.size(0) == R, "one table and length per row");
-  const at::Tensor qc = q.contiguous(), tc = tables.contiguous(), lc = context_lens.contiguous();
+  TORCH_CHECK(softcap >= 0.0, "softcap must be >= 0 (0: none)");
+  // q may be a view of the fused qkv output: rows strided, each row's heads contiguous
+  const bool rows_dense = q.stride(2) == 1 && q.stride(1) == D;
+  const at::Tensor qc = rows_dense ? q : q.contiguous();
+  const at::Tensor tc = tables.contiguous(), lc = context_lens.contiguous();
   const int64_t* lens = lc.data_ptr<int64_t>();
   const int64_t* tp = tc.data_ptr<int64_t>();
   at::Tensor sc;
@@ -265,9 +350,9 @@ at::Tensor paged_attention_rows(const at::Tensor& q, const at::Tensor& k_cache,
   at::Tensor out = at::empty({R, H, D}, q.options());
 #if defined(__AVX512BF16__)
   if (q.scalar_type() == at::kBFloat16)
-    attend_rows<Bf16>(qc, k_cache, v_cache, tc, first, lens, scale, out);
+    attend_rows<Bf16>(qc, k_cache, v_cache, tc, first, lens, scale, softcap, out);
   else
-    attend_rows<F32>(qc, k_cache, v_cache, tc, first, lens, scale, out);
+    attend_rows<F32>(qc, k_cache, v_cache, tc, first, lens, scale, softcap, out);
 #else
   TORCH_CHECK(false, "ladle_native.paged_attention_rows: built without AVX512-BF16");
 #endif
@@ -287,7 +372,11 @@ void write_kv_bf16(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache
               "k and v must be bf16 [tokens, kv_heads, head_dim] matching the cache");
   TORCH_CHECK(slots.dim() == 1 && slots.size(0) == T && slots.scalar_type() == at::kLong,
               "one int64 slot per token");
-  const at::Tensor kc = k.contiguous(), vc = v.contiguous(), sc = slots.contiguous();
+  // k and v may be views of the fused qkv output: rows strided, each row's heads contiguous
+  const auto dense_rows = [D](const at::Tensor& t) {
+    return t.stride(2) == 1 && t.stride(1) == D ? t : t.contiguous();
+  };
+  const at::Tensor kc = dense_rows(k), vc = dense_rows(v), sc = slots.contiguous();
   const int64_t* sp = sc.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot ", sp[t], " out of range");
@@ -296,11 +385,12 @@ void write_kv_bf16(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache
   auto* kd = reinterpret_cast<uint16_t*>(k_cache.data_ptr());
   auto* vd = reinterpret_cast<uint16_t*>(v_cache.data_ptr());
   const size_t row = static_cast<size_t>(D) * sizeof(uint16_t);
+  const int64_t k_row = kc.stride(0), v_row = vc.stride(0);
   at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       for (int64_t h = 0; h < Hkv; ++h) {
-        std::memcpy(kd + (h * num_slots + sp[t]) * D, ks + (t * Hkv + h) * D, row);
-        std::memcpy(vd + (h * num_slots + sp[t]) * D, vs + (t * Hkv + h) * D, row);
+        std::memcpy(kd + (h * num_slots + sp[t]) * D, ks + t * k_row + h * D, row);
+        std::memcpy(vd + (h * num_slots + sp[t]) * D, vs + t * v_row + h * D, row);
       }
   });
 }
@@ -310,7 +400,7 @@ void write_kv_bf16(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache
 TORCH_LIBRARY_FRAGMENT(ladle_native, m) {
   m.def(
       "paged_attention_rows(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, "
-      "Tensor context_lens, float scale, Tensor? starts=None) -> Tensor");
+      "Tensor context_lens, float scale, Tensor? starts=None, float softcap=0.0) -> Tensor");
   m.def("write_kv_bf16(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()");
 }
 

@@ -40,6 +40,10 @@ using namespace ladle;
 // The two sums of one row and block (see the header): every path below runs exactly this.
 constexpr int kSums = 2;
 
+// Pairs ahead that `block_dot` prefetches: several rows per block consume the weights too
+// slowly for the hardware prefetcher alone to keep them coming (past a block's end: the next).
+constexpr int64_t kAhead = 64;
+
 // One block, M rows of x: out[m][0..16) = sum over K of block * x[m].
 template <int M>
 inline void block_dot(const uint16_t* block, const uint16_t* x, int64_t ldx, int64_t pairs,
@@ -50,7 +54,10 @@ inline void block_dot(const uint16_t* block, const uint16_t* x, int64_t ldx, int
   int64_t p = 0;
   for (; p + kSums <= pairs; p += kSums) {
     __m512i w[kSums];
-    for (int u = 0; u < kSums; ++u) w[u] = _mm512_loadu_si512(block + (p + u) * 2 * kRows);
+    for (int u = 0; u < kSums; ++u) {
+      _mm_prefetch(reinterpret_cast<const char*>(block + (p + u + kAhead) * 2 * kRows), _MM_HINT_T0);
+      w[u] = _mm512_loadu_si512(block + (p + u) * 2 * kRows);
+    }
     for (int m = 0; m < M; ++m)
       for (int u = 0; u < kSums; ++u)
         acc[m][u] = _mm512_dpbf16_ps(acc[m][u], as_bh(w[u]),

@@ -1,17 +1,18 @@
 // int4 weight-only matmul on AVX512-BF16 (LLM_QUANTIZATION=int4, groups of 32 inputs):
-// y[M, N] = x[M, K] @ W[N, K]^T (+ bias), w = (q - 8) s + z per group.
+// y[M, N] = x[M, K] @ W[N, K]^T (+ bias), w = q s + m per group (m: the value at q = 0).
 //
-// Packed per block of 16 output rows and group g of 32 inputs, 320 bytes:
+// Packed per block of 16 output rows and group g of 32 inputs, 384 bytes:
 //   8 chunks of 32 bytes: chunk c, byte 2j+e = row j's input 32g+4c+e (low nibble) and
 //   32g+4c+2+e (high nibble), i.e. k-pairs 2c and 2c+1 of the group in the bf16 layout;
-//   16 bf16 scales s, then 16 bf16 zeros z (one per row).
+//   16 float32 scales s, then 16 float32 mins m (one per row). float32, not bf16: a GGUF's
+//   Q4_K group scale d * sc and min dmin * m carry up to 17 significant bits, held exactly.
 // A nibble n becomes the bf16 bits 0x4300 | n, which is 128 + n exactly, so one `vdpbf16ps`
 // multiplies it with a pair of x, and per group
-//   sum_k w_k x_k = s * sum_k (128 + q_k) x_k + (z - 136 s) * sum_k x_k.
+//   sum_k w_k x_k = s * sum_k (128 + q_k) x_k + (m - 128 s) * sum_k x_k.
 //
 // Reduction order (batch invariant, see gemm.h), per row, block and group: two float32 sums
 // over the group's 8 chunks (low nibbles in one, high in the other), then
-// out = fma(s, first + second, out), out = fma(z - 136 s, sum of x over the group, out), for
+// out = fma(s, first + second, out), out = fma(m - 128 s, sum of x over the group, out), for
 // groups in order; then + bias. One row streams four blocks at once; several rows share each
 // block's nibbles, expanded once per group for all of them.
 #include <ATen/ATen.h>
@@ -30,7 +31,7 @@
 namespace {
 
 constexpr int64_t kGroup = 32;
-constexpr int64_t kGroupBytes = 320;
+constexpr int64_t kGroupBytes = 384;
 
 #if defined(__AVX512BF16__)
 
@@ -58,10 +59,10 @@ inline void expand_chunk(const uint8_t* chunk, __m512i& lo, __m512i& hi) {
 
 // out += this group's contribution, from its two sums: the one order every path uses.
 inline __m512 group_out(__m512 out, const uint8_t* group, __m512 first, __m512 second, float xsum) {
-  const uint16_t* meta = reinterpret_cast<const uint16_t*>(group + 256);
-  const __m512 scale = bf16_to_f32(meta), zero = bf16_to_f32(meta + 16);
+  const float* meta = reinterpret_cast<const float*>(group + 256);
+  const __m512 scale = _mm512_loadu_ps(meta), min = _mm512_loadu_ps(meta + 16);
   out = _mm512_fmadd_ps(scale, _mm512_add_ps(first, second), out);
-  return _mm512_fmadd_ps(_mm512_fnmadd_ps(_mm512_set1_ps(136.0f), scale, zero),
+  return _mm512_fmadd_ps(_mm512_fnmadd_ps(_mm512_set1_ps(128.0f), scale, min),
                          _mm512_set1_ps(xsum), out);
 }
 

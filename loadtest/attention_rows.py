@@ -1,0 +1,98 @@
+"""The native row attention against torch's SDPA, in process: a prefill's tokens attended as
+rows (the batch-invariant way) and decode rows of many sequences.
+
+    .venv/bin/python -m loadtest.attention_rows [--prefill 256 1024 2048] [--threads 1 2]
+
+Shapes are SmolLM2-135M's (9 query heads, 3 KV heads, head_dim 64, blocks of 16); bf16. A
+prefill of L tokens is L rows over one block table with context lengths 1..L, against SDPA's
+causal attention over the same keys (flash attention on CPU); decode is B rows of B sequences
+of ~256 cached tokens. Best of 5 runs each, with the largest difference from SDPA's output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from worker.layers import native
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+
+
+def best_ms(fn: Callable[[], object], runs: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(runs):
+        started = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - started)
+    return best * 1e3
+
+
+def prefill(length: int) -> tuple[float, float, float]:
+    """(rows ms, SDPA ms, max |difference|) for one prompt of `length` tokens."""
+    num_blocks = -(-length // BLOCK)
+    k_cache = torch.randn(KV_HEADS, num_blocks + 4, BLOCK, HEAD_DIM).bfloat16()
+    v_cache = torch.randn_like(k_cache)
+    order = torch.randperm(num_blocks + 4)[:num_blocks]
+    tables = order.expand(length, num_blocks).contiguous()
+    lens = torch.arange(1, length + 1)
+    q = torch.randn(length, HEADS, HEAD_DIM).bfloat16()
+    scale = HEAD_DIM**-0.5
+    k = k_cache[:, order].reshape(KV_HEADS, -1, HEAD_DIM)[None, :, :length]
+    v = v_cache[:, order].reshape(KV_HEADS, -1, HEAD_DIM)[None, :, :length]
+
+    def rows() -> torch.Tensor:
+        return native.attention_rows(q, k_cache, v_cache, tables, lens, scale)
+
+    def sdpa() -> torch.Tensor:
+        qq = q.transpose(0, 1)[None]
+        return F.scaled_dot_product_attention(
+            qq, k, v, is_causal=True, scale=scale, enable_gqa=True
+        )
+
+    error = (sdpa()[0].transpose(0, 1).float() - rows().float()).abs().max().item()
+    return best_ms(rows), best_ms(sdpa), error
+
+
+def decode(batch: int, context: int = 256) -> float:
+    num_blocks = -(-context // BLOCK)
+    k_cache = torch.randn(KV_HEADS, batch * num_blocks, BLOCK, HEAD_DIM).bfloat16()
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.randperm(batch * num_blocks).view(batch, num_blocks)
+    lens = context - torch.arange(batch)
+    q = torch.randn(batch, HEADS, HEAD_DIM).bfloat16()
+    return best_ms(lambda: native.attention_rows(q, k_cache, v_cache, tables, lens, 0.125), 20)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--prefill", type=int, nargs="+", default=[256, 1024, 2048])
+    p.add_argument("--decode", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--threads", type=int, nargs="+", default=[1, os.cpu_count() or 1])
+    args = p.parse_args()
+    if not native.load(None):
+        raise SystemExit(f"native kernels unavailable: {native.status()}")
+    torch.manual_seed(0)
+    print(f"load average {os.getloadavg()[0]:.1f}")
+    print("| threads | case | rows ms | SDPA ms | rows / SDPA | max abs diff |")
+    print("|---:|---|---:|---:|---:|---:|")
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for length in args.prefill:
+            rows, sdpa, error = prefill(length)
+            print(
+                f"| {threads} | prefill {length} | {rows:.2f} | {sdpa:.2f} "
+                f"| {rows / sdpa:.2f} | {error:.3g} |"
+            )
+        for batch in args.decode:
+            print(f"| {threads} | decode B={batch}, 256 cached | {decode(batch):.3f} | | | |")
+
+
+if __name__ == "__main__":
+    main()
