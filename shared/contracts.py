@@ -351,6 +351,8 @@ class WorkerRecord(_Wire):
     tool_format: ToolFormat | None = None  # the chat template's tool-call syntax
     device: str
     dtype: str
+    architecture: str = ""  # the HF class the checkpoint names (e.g. Gemma3ForCausalLM)
+    weight_precision: str = ""  # what the weights are held in: the dtype, or int8 / int4
     compiled: bool = False  # forward compiled by inductor (LLM_COMPILE)
     # batch-invariant kernels in use (LLM_DETERMINISTIC); where asked for but not possible, why
     deterministic: bool = False

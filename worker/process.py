@@ -162,6 +162,8 @@ class WorkerProcess:
             model_source=self.settings.model_name,
             device=engine.executor.device,
             dtype=engine.executor.dtype,
+            architecture=_architecture(engine),
+            weight_precision=_weight_precision(engine.executor.quantization, engine.executor.dtype),
             compiled=engine.executor.compiled,
             deterministic=engine.executor.deterministic,
             deterministic_reason=engine.executor.deterministic_reason,
@@ -181,6 +183,19 @@ class WorkerProcess:
             logger.info("worker metrics on http://%s:%d/metrics", self.settings.host, port)
         except OSError as exc:
             logger.warning("worker metrics port %d unavailable: %s", port, exc)
+
+
+def _architecture(engine: LLMEngine | EmbeddingEngine) -> str:
+    """The HF class the served checkpoint names ("" where the executor does not say)."""
+    loaded = getattr(engine.executor, "loaded", None)
+    names = getattr(getattr(loaded, "hf_config", None), "architectures", None) or [""]
+    return str(names[0])
+
+
+def _weight_precision(quantization: str, dtype: str) -> str:
+    """int8 / int4 (or "auto (int4 x N, ...)") where projections are quantized, else the
+    model's dtype."""
+    return dtype if quantization in ("", "none") else quantization
 
 
 def _stats(service: WorkerService, recorder: WorkerMetricsRecorder) -> EngineStats:

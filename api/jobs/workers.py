@@ -46,6 +46,17 @@ class WorkerDirectory:
             )
         return served
 
+    async def descriptions(self) -> dict[str, dict[str, str]]:
+        """Served model name -> what its live workers say it is (architecture, precision)."""
+        described: dict[str, dict[str, str]] = {}
+        for record in await self.live():
+            if record.status not in NOT_SERVING:
+                described[record.model] = {
+                    "architecture": record.architecture,
+                    "weight_precision": record.weight_precision,
+                }
+        return described
+
     async def known(self) -> dict[str, ModelInfo]:
         """Models served lately (workers write them each heartbeat), live or not."""
         raw = await self.redis.hgetall(self.keys.models)

@@ -47,6 +47,7 @@ async def chat_completions(
 @router.get("/v1/models", dependencies=[Depends(require_api_key)])
 async def models(services: ServicesDep) -> dict:
     served = await services.workers.models()
+    described = await services.workers.descriptions()
     known = await services.workers.known()
     data = [
         {
@@ -56,6 +57,7 @@ async def models(services: ServicesDep) -> dict:
             "owned_by": "ladle",
             "root": name,
             "max_model_len": max_model_len,
+            **described.get(name, {}),
             "tool_format": known[name].tool_format if name in known else None,
         }
         for name, max_model_len in sorted(served.items())

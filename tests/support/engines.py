@@ -62,3 +62,6 @@ def assert_all_blocks_free(engine: LLMEngine) -> None:
     bm = engine.block_manager
     assert not engine.has_unfinished_requests()
     assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_used_blocks} KV blocks still used"
+    local = getattr(bm, "local", None)  # sliding-window layers' own pool
+    if local is not None:
+        assert local.num_free_blocks == local.num_blocks, f"{local.num_used_blocks} local blocks"

@@ -129,6 +129,8 @@ class FakeWorker:
             model=model,
             device="cpu",
             dtype="float32",
+            architecture="LlamaForCausalLM",
+            weight_precision="float32",
             max_model_len=max_model_len,
             block_size=16,
             kv_blocks_used=3,

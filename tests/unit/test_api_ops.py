@@ -76,6 +76,9 @@ async def test_request_id_health_ready_models_workers_metrics() -> None:
         assert ready.status_code == 200 and ready.json()["max_model_len"] == 64
         models = (await h.client.get("/v1/models")).json()
         assert [m["id"] for m in models["data"]] == ["test-model"]
+        described = {k: models["data"][0][k] for k in ("architecture", "weight_precision")}
+        assert described == {"architecture": "LlamaForCausalLM", "weight_precision": "float32"}
+        assert models["data"][0]["max_model_len"] == 64
         workers = (await h.client.get("/v1/workers")).json()["data"]
         assert workers[0]["kv_blocks_used"] == 3 and workers[0]["kv_cache_usage"] == 0.3
         await h.client.post("/v1/completions", json=PROMPT)

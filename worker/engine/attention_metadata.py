@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -90,31 +90,49 @@ def _prefill_meta(
 def build_step_inputs(
     chunks: list[ScheduledChunk], block_size: int, device: torch.device, row_attention: bool = False
 ) -> StepInputs:
-    """Flat input ids, positions, slot mapping and per-chunk attention metadata.
+    """Flat input ids, positions, slot mapping and per-chunk attention metadata (and the same
+    over the sliding-window layers' own tables, where the chunks have them).
 
     `row_attention`: every token, prefill ones too, is attended as a row of its own over its
     sequence's block table (the native kernel), so a row's result cannot depend on how its
     prompt was chunked or cached. No mask is built then."""
     input_ids: list[int] = []
     positions: list[int] = []
-    slot_mapping: list[int] = []
     logits_indices: list[int] = []
-    prefills: list[PrefillChunkMeta] = []
-    num_decode = 0
-    num_decode_chunks = 0
     for chunk in chunks:
         start, end = chunk.start_position, chunk.start_position + chunk.num_tokens
-        token_start = len(input_ids)
+        known_end = end - len(chunk.draft_token_ids)
+        input_ids += chunk.request.token_ids_slice(start, known_end) + chunk.draft_token_ids
+        positions += range(start, end)
+        logits_indices += range(len(input_ids) - chunk.num_sampled_rows, len(input_ids))
+    metadata = _metadata(chunks, block_size, device, row_attention)
+    if any(chunk.local_block_ids is not None for chunk in chunks):
+        local = [replace(c, block_ids=c.local_block_ids or c.block_ids) for c in chunks]
+        metadata.local = _metadata(local, block_size, device, row_attention)
+    return StepInputs(
+        input_ids=_to(input_ids, device),
+        positions=_to(positions, device),
+        metadata=metadata,
+        logits_indices=_to(logits_indices, device),
+    )
+
+
+def _metadata(
+    chunks: list[ScheduledChunk], block_size: int, device: torch.device, row_attention: bool
+) -> AttentionMetadata:
+    """Slot mapping, prefill chunks and decode rows of a step over the chunks' block tables."""
+    slot_mapping: list[int] = []
+    prefills: list[PrefillChunkMeta] = []
+    num_decode = num_decode_chunks = token_start = 0
+    for chunk in chunks:
+        start, end = chunk.start_position, chunk.start_position + chunk.num_tokens
         if (row_attention or chunk.is_decode) and token_start == num_decode:
             num_decode += chunk.num_tokens
             num_decode_chunks += 1
         else:
             prefills.append(_prefill_meta(chunk, token_start, block_size, device))
-        known_end = end - len(chunk.draft_token_ids)
-        input_ids += chunk.request.token_ids_slice(start, known_end) + chunk.draft_token_ids
-        positions += range(start, end)
         slot_mapping += slots_for(chunk.block_ids, start, end, block_size)
-        logits_indices += range(len(input_ids) - chunk.num_sampled_rows, len(input_ids))
+        token_start += chunk.num_tokens
     metadata = AttentionMetadata(
         slot_mapping=_to(slot_mapping, device), num_decode_tokens=num_decode, prefills=prefills
     )
@@ -124,12 +142,7 @@ def build_step_inputs(
         metadata.decode_block_tables = tables.to(device, non_blocking=True)
         metadata.decode_mask = None if mask is None else mask.to(device, non_blocking=True)
         metadata.decode_context_lens = _to(decode_context_lens(decode_chunks), device)
-    return StepInputs(
-        input_ids=_to(input_ids, device),
-        positions=_to(positions, device),
-        metadata=metadata,
-        logits_indices=_to(logits_indices, device),
-    )
+    return metadata
 
 
 def _to(values: list[int], device: torch.device) -> torch.Tensor:

@@ -64,8 +64,18 @@ def _uncompile(layers: list[nn.Module]) -> None:
         layer._compiled_call_impl = None
 
 
-def _warm_up_metadata(num_tokens: int, is_decode: bool, scratch_block: int, block_size: int):
-    """Metadata that writes only into the scratch block (never handed out by the manager)."""
+def _warm_up_metadata(
+    num_tokens: int, is_decode: bool, scratch_block: int, block_size: int, local: int | None = None
+):
+    """Metadata that writes only into the scratch block (never handed out by the manager);
+    `local`: the sliding-window layers' own scratch block, where they have a pool."""
+    meta = _scratch_metadata(num_tokens, is_decode, scratch_block, block_size)
+    if local is not None:
+        meta.local = _scratch_metadata(num_tokens, is_decode, local, block_size)
+    return meta
+
+
+def _scratch_metadata(num_tokens: int, is_decode: bool, scratch_block: int, block_size: int):
     slots = scratch_block * block_size + torch.arange(num_tokens) % block_size
     if not is_decode:
         return AttentionMetadata(slots, prefills=[PrefillChunkMeta(0, num_tokens, 0)])
@@ -78,10 +88,15 @@ def _warm_up_metadata(num_tokens: int, is_decode: bool, scratch_block: int, bloc
 
 
 def run_with_metadata(
-    forward: Forward, num_tokens: int, is_decode: bool, scratch_block: int, block_size: int
+    forward: Forward,
+    num_tokens: int,
+    is_decode: bool,
+    scratch_block: int,
+    block_size: int,
+    local: int | None = None,
 ) -> float:
     """One forward of dummy tokens (scratch-block K/V only); returns its wall time in s."""
-    meta = _warm_up_metadata(num_tokens, is_decode, scratch_block, block_size)
+    meta = _warm_up_metadata(num_tokens, is_decode, scratch_block, block_size, local)
     ids = torch.zeros(num_tokens, dtype=torch.long)
     positions = torch.arange(num_tokens) % block_size
     set_attention_metadata(meta)
@@ -99,14 +114,21 @@ def _configure_inductor_cache(cache_dir: str | None) -> None:
     torch._inductor.config.fx_graph_cache = True
 
 
-def _median_step(forward: Forward, scratch_block: int, block_size: int, repeats: int = 7) -> float:
+def _median_step(
+    forward: Forward, scratch_block: int, block_size: int, local: int | None, repeats: int = 7
+) -> float:
     return statistics.median(
-        run_with_metadata(forward, 1, True, scratch_block, block_size) for _ in range(repeats)
+        run_with_metadata(forward, 1, True, scratch_block, block_size, local)
+        for _ in range(repeats)
     )
 
 
 def _warm_up(
-    model: nn.Module, scratch_block: int, block_size: int, thread_counts: list[int] | None
+    model: nn.Module,
+    scratch_block: int,
+    block_size: int,
+    thread_counts: list[int] | None,
+    local: int | None,
 ) -> None:
     """Compile every graph a step can need: T = 1 (specialised), then T >= 2 (a prefill and
     a decode batch), at each thread count steps will use (Dynamo guards on it)."""
@@ -115,7 +137,7 @@ def _warm_up(
         for threads in thread_counts or [previous]:
             torch.set_num_threads(threads)
             for num_tokens, is_decode in ((1, True), (2, False), (3, True)):
-                run_with_metadata(model, num_tokens, is_decode, scratch_block, block_size)
+                run_with_metadata(model, num_tokens, is_decode, scratch_block, block_size, local)
     finally:
         torch.set_num_threads(previous)
 
@@ -128,6 +150,7 @@ def compile_forward(
     block_size: int,
     cache_dir: str | None = None,
     thread_counts: list[int] | None = None,
+    local_scratch_block: int | None = None,
 ) -> CompiledForward | None:
     """The model with compiled decoder layers, warmed up at T = 1 and T >= 2; None: eager.
 
@@ -147,15 +170,15 @@ def compile_forward(
     try:
         for layer in layers:
             layer.compile(dynamic=True, fullgraph=True)
-        _warm_up(model, scratch_block, block_size, thread_counts)
+        _warm_up(model, scratch_block, block_size, thread_counts, local_scratch_block)
     except Exception as exc:
         logger.error("torch.compile of the decoder layers failed, running eagerly: %r", exc)
         _uncompile(layers)
         return None
     seconds = time.perf_counter() - started
-    compiled_s = _median_step(forward, scratch_block, block_size)
+    compiled_s = _median_step(forward, scratch_block, block_size, local_scratch_block)
     with torch.compiler.set_stance("force_eager"):
-        eager_s = _median_step(model, scratch_block, block_size)
+        eager_s = _median_step(model, scratch_block, block_size, local_scratch_block)
     keep = mode == "on" or compiled_s < eager_s
     logger.info(
         "compiled forward ready in %.1f s; one-token step %.1f ms compiled vs %.1f ms eager: %s",

@@ -87,6 +87,7 @@ class PoolingExecutorInfo:
     deterministic: bool = False
     deterministic_reason: str = "embedding models run eager torch"
     kernels: dict[str, str] = field(default_factory=lambda: {"forward": "eager"})
+    quantization: str = "none"
 
 
 class EmbeddingRunner:

@@ -17,6 +17,7 @@ from shared.grammar import GrammarError
 from shared.tokenizer import Tokenizer, load_tokenizer
 from worker.engine.config import EngineConfig
 from worker.engine.core.block_manager import BlockManager
+from worker.engine.core.hybrid_blocks import HybridBlockManager
 from worker.engine.core.outputs import SampledToken
 from worker.engine.core.request import Request, RequestStatus
 from worker.engine.core.sampling_params import SamplingParams
@@ -136,9 +137,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.executor.eos_token_ids) | frozenset(
             self.tokenizer.eos_token_ids
         )
-        self.block_manager = BlockManager(
-            self.executor.num_blocks, config.block_size, config.enable_prefix_caching
-        )
+        self.block_manager = _block_manager(self.executor, config)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -393,3 +392,18 @@ def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
     from dataclasses import replace
 
     return replace(params, seed=seed)
+
+
+def _block_manager(executor: Executor, config: EngineConfig) -> BlockManager | HybridBlockManager:
+    """One pool, or two where the executor gave sliding-window layers their own."""
+    num_local = getattr(executor, "num_local_blocks", 0)
+    window = getattr(executor, "sliding_window", None)
+    if num_local and window:
+        return HybridBlockManager(
+            executor.num_blocks,
+            num_local,
+            config.block_size,
+            window,
+            config.enable_prefix_caching,
+        )
+    return BlockManager(executor.num_blocks, config.block_size, config.enable_prefix_caching)

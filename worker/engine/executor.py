@@ -15,7 +15,12 @@ import torch
 from worker.engine.autotune import KernelPlan, choose_kernels
 from worker.engine.config import EngineConfig
 from worker.engine.core.outputs import ModelRunnerOutput, SchedulerOutput
-from worker.engine.kv_cache import kv_bytes_per_block
+from worker.engine.kv_cache import (
+    kv_bytes_per_block,
+    per_layer_block_bytes,
+    split_pools,
+    window_layers,
+)
 from worker.engine.model_runner import ModelRunner
 from worker.engine.sampler import Sampler
 from worker.engine.threads import ThreadChooser
@@ -52,10 +57,21 @@ class TorchExecutor:
         self.max_model_len = min(loaded.max_model_len, config.max_model_len or 1 << 30)
         self.vocab_size = int(hf_config.vocab_size)
         self.eos_token_ids = list(loaded.eos_token_ids)
-        self.kv_bytes_per_block = kv_bytes_per_block(hf_config, config.block_size, loaded.dtype)
-        self.num_blocks = _num_blocks(config, loaded, self.kv_bytes_per_block)
+        all_layers = kv_bytes_per_block(hf_config, config.block_size, loaded.dtype)
+        pools = split_pools(
+            window_layers(loaded.model),
+            _num_blocks(config, loaded, all_layers) * all_layers,
+            per_layer_block_bytes(hf_config, config.block_size, loaded.dtype),
+            config.block_size,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+        )
+        self.num_blocks, self.kv_bytes_per_block = pools.num_blocks, pools.bytes_per_block
+        # sliding-window layers' own pool (0: they share the full one) and its window
+        self.num_local_blocks, self.sliding_window = pools.num_local_blocks, pools.window
         self.device = str(loaded.device)
         self.dtype = str(loaded.dtype).removeprefix("torch.")
+        self.quantization = loaded.quantization  # as loaded: "auto" resolved per layer
         self.num_threads = torch.get_num_threads()
         self.native_kernels = native.configure(
             _wants_native(config, loaded.device.type, loaded.dtype), config.cache_dir
@@ -97,6 +113,7 @@ class TorchExecutor:
             compile_threads=sorted({self.num_threads, *self._decode_thread_counts()}),
             native_forward=self.native_kernels,
             row_attention=invariant,
+            num_local_blocks=self.num_local_blocks,
         )
         self.compiled = self.runner.compiled is not None
         self.deterministic_reason = _not_deterministic(config, self, loaded.device.type)
@@ -109,10 +126,12 @@ class TorchExecutor:
         )
         self._switch_threads = loaded.device.type == "cpu"
         logger.info(
-            "kv cache: %d blocks of %d tokens (%.1f MiB), max_model_len %d, %s %s",
+            "kv cache: %d blocks of %d tokens (%.1f MiB; sliding-window layers: %s), "
+            "max_model_len %d, %s %s",
             self.num_blocks,
             config.block_size,
             self.num_blocks * self.kv_bytes_per_block / 2**20,
+            f"{self.num_local_blocks} blocks of their own" if self.num_local_blocks else "shared",
             self.max_model_len,
             self.device,
             self.dtype,

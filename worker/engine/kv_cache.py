@@ -8,12 +8,13 @@ head.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from worker.engine.core.hybrid_blocks import local_blocks_needed
 from worker.layers.attention import PagedAttention
 from worker.models.llama import head_dim_of
 
@@ -32,14 +33,22 @@ def kv_bytes_per_block(hf_config: Any, block_size: int, dtype: torch.dtype) -> i
     return 2 * num_layers * block_size * num_kv_heads * head_dim * element_size
 
 
+def per_layer_block_bytes(hf_config: Any, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes in one layer, K and V together."""
+    return kv_bytes_per_block(hf_config, block_size, dtype) // _kv_shape(hf_config)[0]
+
+
 @dataclass
 class KVCache:
-    """Per-layer K and V tensors; index i belongs to the model's i-th attention layer."""
+    """Per-layer K and V tensors; index i belongs to the model's i-th attention layer.
+    `local_layers[i]`: layer i's tensors are the sliding-window pool's (`num_local_blocks`)."""
 
     k_caches: list[torch.Tensor]
     v_caches: list[torch.Tensor]
     num_blocks: int
     block_size: int
+    local_layers: list[bool] = field(default_factory=list)
+    num_local_blocks: int = 0
 
     @property
     def num_bytes(self) -> int:
@@ -47,18 +56,39 @@ class KVCache:
 
 
 def allocate_kv_cache(
-    hf_config: Any, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    hf_config: Any,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    local_layers: list[bool] | None = None,
+    num_local_blocks: int = 0,
 ) -> KVCache:
+    """Zeroed K and V per layer; layers marked in `local_layers` get `num_local_blocks`."""
     num_layers, num_kv_heads, head_dim = _kv_shape(hf_config)
-    storage = torch.zeros(
-        2, num_layers, num_kv_heads, num_blocks, block_size, head_dim, dtype=dtype, device=device
-    )
-    return KVCache(
-        k_caches=list(storage[0].unbind(0)),
-        v_caches=list(storage[1].unbind(0)),
-        num_blocks=num_blocks,
-        block_size=block_size,
-    )
+    local_layers = local_layers or [False] * num_layers
+    num_local = sum(local_layers)
+
+    def storage(layers: int, blocks: int) -> torch.Tensor:
+        shape = (2, layers, num_kv_heads, blocks, block_size, head_dim)
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    pools = {False: storage(num_layers - num_local, num_blocks)}
+    if num_local:
+        pools[True] = storage(num_local, num_local_blocks)
+    next_index = {False: 0, True: 0}
+    k_caches, v_caches = [], []
+    for is_local in local_layers:
+        index = next_index[is_local]
+        next_index[is_local] += 1
+        k_caches.append(pools[is_local][0, index])
+        v_caches.append(pools[is_local][1, index])
+    return KVCache(k_caches, v_caches, num_blocks, block_size, local_layers, num_local_blocks)
+
+
+def window_layers(model: nn.Module) -> list[int | None]:
+    """Each attention layer's sliding window (None: global), in order."""
+    return [m.sliding_window for m in model.modules() if isinstance(m, PagedAttention)]
 
 
 def bind_kv_cache(model: nn.Module, cache: KVCache) -> None:
@@ -66,5 +96,44 @@ def bind_kv_cache(model: nn.Module, cache: KVCache) -> None:
     layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
     if len(layers) != len(cache.k_caches):
         raise ValueError(f"model has {len(layers)} attention layers, cache {len(cache.k_caches)}")
-    for layer, k_cache, v_cache in zip(layers, cache.k_caches, cache.v_caches, strict=True):
-        layer.bind(k_cache, v_cache)
+    local = cache.local_layers or [False] * len(layers)
+    for layer, k_cache, v_cache, is_local in zip(
+        layers, cache.k_caches, cache.v_caches, local, strict=True
+    ):
+        layer.bind(k_cache, v_cache, is_local)
+
+
+@dataclass(frozen=True)
+class KVPools:
+    """How a KV budget is split: the full pool's blocks (every layer, or only the global
+    ones) and the sliding-window layers' own pool (0: none)."""
+
+    num_blocks: int
+    bytes_per_block: int  # what one full-pool block costs, over the layers it serves
+    num_local_blocks: int = 0
+    window: int | None = None
+
+
+def split_pools(
+    windows: list[int | None],
+    budget: int,
+    layer_block_bytes: int,
+    block_size: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+) -> KVPools:
+    """One pool for all layers, or, for a model with both global and sliding-window layers
+    (one window size), a local pool sized for `max_num_seqs` windows and the rest for the
+    global layers, whichever gives the global layers more blocks."""
+    single = KVPools(budget // (layer_block_bytes * len(windows)), layer_block_bytes * len(windows))
+    sizes = {w for w in windows if w is not None}
+    num_global = windows.count(None)
+    if len(sizes) != 1 or num_global == 0:
+        return single
+    window = sizes.pop()
+    num_local = local_blocks_needed(window, block_size, max_num_seqs, max_num_batched_tokens)
+    local_bytes = num_local * layer_block_bytes * (len(windows) - num_global)
+    num_blocks = (budget - local_bytes) // (layer_block_bytes * num_global)
+    if num_blocks <= single.num_blocks:
+        return single
+    return KVPools(num_blocks, layer_block_bytes * num_global, num_local, window)

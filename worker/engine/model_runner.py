@@ -13,7 +13,7 @@ from worker.engine.core.ngram import accept_drafts
 from worker.engine.core.outputs import ModelRunnerOutput, SampledToken, SchedulerOutput
 from worker.engine.core.request import Request
 from worker.engine.cuda_graphs import CudaGraphBackend, DecodeGraphs, GraphCaptureError
-from worker.engine.kv_cache import KVCache, allocate_kv_cache, bind_kv_cache
+from worker.engine.kv_cache import KVCache, allocate_kv_cache, bind_kv_cache, window_layers
 from worker.layers.attention import PagedAttention
 from worker.layers.context import set_attention_metadata
 from worker.models.loader import LoadedModel
@@ -54,6 +54,7 @@ class ModelRunner:
         compile_threads: list[int] | None = None,
         native_forward: bool = True,
         row_attention: bool = False,
+        num_local_blocks: int = 0,
     ) -> None:
         self.loaded = loaded
         self.model = loaded.model
@@ -63,8 +64,19 @@ class ModelRunner:
         # One block more than the block manager knows of: padded rows of a CUDA graph write
         # their K/V there.
         self.scratch_block = num_blocks
+        # Sliding-window layers with a pool of their own (`num_local_blocks`; its extra block
+        # is the local tables' null block and the local scratch block).
+        local_layers = None
+        if num_local_blocks:
+            local_layers = [window is not None for window in window_layers(self.model)]
         self.kv_cache: KVCache = allocate_kv_cache(
-            loaded.hf_config, num_blocks + 1, block_size, loaded.dtype, loaded.device
+            loaded.hf_config,
+            num_blocks + 1,
+            block_size,
+            loaded.dtype,
+            loaded.device,
+            local_layers,
+            num_local_blocks + 1,
         )
         bind_kv_cache(self.model, self.kv_cache)
         # CPU, bf16: the forward on Ladle's native kernels where the model has one. It fuses
@@ -82,7 +94,13 @@ class ModelRunner:
         # CPU: the forward as an inductor program (None: eager); warmed up here, off the
         # request path.
         self.compiled = compile_forward(
-            self.model, compile_mode, self.scratch_block, block_size, cache_dir, compile_threads
+            self.model,
+            compile_mode,
+            self.scratch_block,
+            block_size,
+            cache_dir,
+            compile_threads,
+            num_local_blocks if num_local_blocks else None,
         )
         self.forward = self.compiled or self.model
         self.graphs: DecodeGraphs | None = None

@@ -25,7 +25,14 @@ class SiluAndMul(nn.Module):
 class GeluTanhAndMul(nn.Module):
     """gelu(gate, tanh approximation) * up (GeGLU, Gemma's `gelu_pytorch_tanh`)."""
 
+    native = False  # `ladle_native.gelu_tanh_mul_bf16`, chosen at load (`use_native`)
+
+    def use_native(self, enabled: bool) -> None:
+        self.native = enabled
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native and x.dtype == torch.bfloat16 and x.dim() == 2:
+            return torch.ops.ladle_native.gelu_tanh_mul_bf16(x)
         gate, up = x.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
 

@@ -43,13 +43,16 @@ class PagedAttention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         self.native_rows = False  # rows on the native kernel: chosen at `bind`
+        self.local_pool = False  # a sliding-window layer with a KV pool of its own
         # This layer's handle for the custom op, as a graph input (see `Linear`); set by bind.
         self.register_buffer("layer_id", None, persistent=False)
 
-    def bind(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    def bind(self, k_cache: torch.Tensor, v_cache: torch.Tensor, local_pool: bool = False) -> None:
         """Attend over (and write into) these caches from now on, on the native kernel where
-        it serves them (chosen here, once)."""
+        it serves them (chosen here, once); `local_pool`: they are the sliding-window pool's,
+        addressed by the step's `metadata.local`."""
         self.k_cache, self.v_cache = k_cache, v_cache
+        self.local_pool = local_pool
         # the native row kernel takes a window as each row's first position, and soft-caps
         self.native_rows = rows_supported(k_cache, self.num_heads)
         self.layer_id = torch.tensor(handle_of(self))
@@ -62,7 +65,9 @@ class PagedAttention(nn.Module):
         return paged_attention(q, k, v, self.k_cache, self.v_cache, self.options())
 
     def options(self) -> AttentionOptions:
-        return AttentionOptions(self.scale, self.native_rows, self.sliding_window, self.softcap)
+        return AttentionOptions(
+            self.scale, self.native_rows, self.sliding_window, self.softcap, self.local_pool
+        )
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,7 @@ class AttentionOptions:
     native_rows: bool = False
     window: int | None = None
     softcap: float | None = None
+    local_pool: bool = False
 
 
 def paged_attention(
@@ -89,6 +95,10 @@ def paged_attention(
     metadata (ragged chunks, block tables) stays out of the traced graph.
     """
     meta = get_attention_metadata()
+    if options.local_pool:
+        if meta.local is None:
+            raise RuntimeError("a sliding-window pool's layer needs the step's local tables")
+        meta = meta.local
     num_kv_heads, head_dim = k_cache.shape[0], k_cache.shape[-1]
     # [Hkv, num_blocks * block_size, hd]: slot s of every head
     k_slots = k_cache.view(num_kv_heads, -1, head_dim)

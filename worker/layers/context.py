@@ -59,6 +59,8 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None = None
     prefills: list[PrefillChunkMeta] = field(default_factory=list)
     window_masks: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    # the same step over the sliding-window layers' own pool, where they have one
+    local: AttentionMetadata | None = None
 
     def decode_mask_for(self, window: int | None) -> torch.Tensor | None:
         """`decode_mask` with the keys before each row's last `window` positions masked

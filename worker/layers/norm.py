@@ -26,24 +26,26 @@ class RMSNorm(nn.Module):
         self.native = False  # `ladle_native.rms_norm_bf16` (bf16 weights on CPU)
 
     def use_native(self, enabled: bool) -> None:
-        """Run on the native kernels from now on (where they apply: bf16 on CPU, `w * x`)."""
+        """Run on the native kernels from now on (where they apply: bf16 weights on CPU)."""
         weight = self.weight
         on_cpu_bf16 = weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
-        self.native = enabled and on_cpu_bf16 and not self.offset
+        self.native = enabled and on_cpu_bf16
 
     def with_residual(
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): a residual add fused with the norm after it."""
         if self.native:
-            return torch.ops.ladle_native.add_rms_norm_bf16(x, residual, self.weight, self.eps)
+            return torch.ops.ladle_native.add_rms_norm_bf16(
+                x, residual, self.weight, self.eps, self.offset
+            )
         summed = x + residual
         return self(summed), summed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native:
             flat = x.reshape(-1, x.shape[-1])
-            out = torch.ops.ladle_native.rms_norm_bf16(flat, self.weight, self.eps)
+            out = torch.ops.ladle_native.rms_norm_bf16(flat, self.weight, self.eps, self.offset)
             return out.view(x.shape)
         shape = (x.shape[-1],)
         if self.offset:

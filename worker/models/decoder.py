@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from worker.layers import native
-from worker.layers.activation import SiluAndMul
+from worker.layers.activation import GeluTanhAndMul, SiluAndMul
 from worker.layers.embedding import ScaledEmbedding
 from worker.layers.linear import Linear
 from worker.layers.mlp import GatedMLP
@@ -141,7 +141,7 @@ class DecoderForCausalLM(nn.Module):
         return name
 
     def use_native(self, enabled: bool) -> bool:
-        """Norms, SiLU-mul and rotary on the native kernels from now on where they apply
+        """Norms, SiLU/GELU-mul and rotary on the native kernels from now on where they apply
         (bf16 on CPU, the kernels loaded; each block also checks its own form); returns
         whether they do. Chosen once, at load."""
         chosen = (
@@ -152,7 +152,7 @@ class DecoderForCausalLM(nn.Module):
             and self.spec.head_dim % 2 == 0
         )
         for module in self.modules():
-            if isinstance(module, (RMSNorm, SiluAndMul, RotaryEmbedding)):
+            if isinstance(module, (RMSNorm, SiluAndMul, GeluTanhAndMul, RotaryEmbedding)):
                 module.use_native(chosen)
         return chosen
 
@@ -160,7 +160,8 @@ class DecoderForCausalLM(nn.Module):
         """Float32 logits [N, vocab] (soft-capped where the family does, as Gemma 2)."""
         logits = self.lm_head(hidden).float()
         cap = self.spec.final_softcap
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+        # in place on the fresh float32 logits: HF's divide, tanh, multiply, no copies
+        return logits if cap is None else logits.div_(cap).tanh_().mul_(cap)
 
     def post_load(self) -> None:
         for rotary in self.model.rotary_emb.values():

@@ -37,11 +37,18 @@ class BlockManager:
     """Allocates KV blocks to requests, shares full blocks by prefix hash, counts hits."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        null_block: int | None = None,
     ) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
+        # A table entry that holds no block (a sliding-window group's blocks that slid out):
+        # an id past the pool, never allocated, counted or freed.
+        self.null_block = null_block
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [KVBlock(block_id) for block_id in range(num_blocks)]
@@ -89,6 +96,10 @@ class BlockManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         return list(self._tables.get(request_id, ()))
 
+    def get_local_block_ids(self, request_id: str) -> list[int] | None:
+        """One pool serves every layer (see `HybridBlockManager` for two)."""
+        return None
+
     def get_ref_count(self, block_id: int) -> int:
         return self.blocks[block_id].ref_count
 
@@ -105,29 +116,76 @@ class BlockManager:
         needed), so at most `num_tokens - 1` tokens come from the cache. Sets the request's
         block table and returns the number of cached tokens (a multiple of block_size).
         """
-        request_id = request.request_id
-        if self._tables.get(request_id):
-            raise RuntimeError(f"request {request_id} already holds blocks")
-        self._tables[request_id] = []
-        self._hashes[request_id] = []
+        chain = self.prefix_chain(request)
+        return self.take_prefix(request, chain, self.num_cached_prefix(chain))
+
+    def prefix_chain(self, request: Request) -> list[tuple[BlockHash, tuple[int, ...]]]:
+        """(hash, token ids) of each full block a prefix hit may cover, in order."""
+        if self._tables.get(request.request_id):
+            raise RuntimeError(f"request {request.request_id} already holds blocks")
         if not self.enable_prefix_caching:
-            return 0
-        num_hits = 0
+            return []
+        chain: list[tuple[BlockHash, tuple[int, ...]]] = []
         parent: BlockHash | None = None
         for index in range((request.num_tokens - 1) // self.block_size):
             token_ids = tuple(self._block_tokens(request, index))
-            block_hash = hash_block(parent, token_ids)
+            parent = hash_block(parent, token_ids)
+            chain.append((parent, token_ids))
+        return chain
+
+    def is_cached(self, chain: list[tuple[BlockHash, tuple[int, ...]]], index: int) -> bool:
+        block_hash, token_ids = chain[index]
+        parent = chain[index - 1][0] if index else None
+        return self._lookup(block_hash, parent, token_ids) is not None
+
+    def num_cached_prefix(self, chain: list[tuple[BlockHash, tuple[int, ...]]]) -> int:
+        """How many of the chain's blocks, from the first, are cached."""
+        for index in range(len(chain)):
+            if not self.is_cached(chain, index):
+                return index
+        return len(chain)
+
+    def take_prefix(
+        self,
+        request: Request,
+        chain: list[tuple[BlockHash, tuple[int, ...]]],
+        num_blocks: int,
+        first: int = 0,
+        count_stats: bool = True,
+    ) -> int:
+        """Reference the chain's cached blocks [first, num_blocks) as the request's table
+        (entries before `first` are the null block); returns the tokens they cover."""
+        request_id = request.request_id
+        self._tables[request_id] = [self.null_block] * first  # type: ignore[list-item]
+        self._hashes[request_id] = [block_hash for block_hash, _ in chain[:first]]
+        for index in range(first, num_blocks):
+            block_hash, token_ids = chain[index]
+            parent = chain[index - 1][0] if index else None
             block = self._lookup(block_hash, parent, token_ids)
             if block is None:
-                break
+                raise RuntimeError("take_prefix on a block that is not cached")
             self._take_ref(block)
             self._tables[request_id].append(block.block_id)
             self._hashes[request_id].append(block_hash)
-            parent = block_hash
-            num_hits += 1
-        num_cached_tokens = num_hits * self.block_size
-        self._pending_stats[request_id] = (request.num_tokens, num_cached_tokens)
+        num_cached_tokens = num_blocks * self.block_size
+        if count_stats and self.enable_prefix_caching:
+            self._pending_stats[request_id] = (request.num_tokens, num_cached_tokens)
         return num_cached_tokens
+
+    def blocks_needed(self, request: Request, num_new_tokens: int) -> int:
+        """Free blocks `allocate_slots(request, num_new_tokens)` would take."""
+        table = self._tables.get(request.request_id, [])
+        num_needed = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
+        return max(num_needed - len(table), 0)
+
+    def release_before(self, request_id: str, num_blocks: int) -> None:
+        """Drop the request's first `num_blocks` blocks (their entries become the null block;
+        blocks reaching 0 references join the free list's tail with their hashes)."""
+        table = self._tables.get(request_id, [])
+        for index in range(min(num_blocks, len(table))):
+            if table[index] != self.null_block:
+                self._release(self.blocks[table[index]])
+                table[index] = self.null_block  # type: ignore[call-overload]
 
     def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
         """Grow the block table to cover `num_computed_tokens + num_new_tokens` tokens.
@@ -167,6 +225,8 @@ class BlockManager:
             token_ids = tuple(self._block_tokens(request, index))
             block_hash = hash_block(parent, token_ids)
             hashes.append(block_hash)
+            if table[index] == self.null_block:
+                continue
             block = self.blocks[table[index]]
             # A block computed twice by concurrent requests is cached once; the copy that
             # lost the race stays unhashed and is simply reused when freed.
@@ -187,10 +247,8 @@ class BlockManager:
         self._hashes.pop(request_id, None)
         self._pending_stats.pop(request_id, None)
         for block_id in reversed(table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self._free_ids[block_id] = None
+            if block_id != self.null_block:
+                self._release(self.blocks[block_id])
 
     def free_tail(self, request_id: str, num_tokens: int) -> None:
         """Release the request's blocks past those covering its first `num_tokens` tokens.
@@ -204,7 +262,10 @@ class BlockManager:
             return
         num_kept = cdiv(num_tokens, self.block_size)
         while len(table) > num_kept:
-            block = self.blocks[table.pop()]
+            block_id = table.pop()
+            if block_id == self.null_block:
+                continue
+            block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free_ids[block.block_id] = None
@@ -234,6 +295,11 @@ class BlockManager:
         if block.parent_hash != parent or block.token_ids != token_ids:
             return None
         return block
+
+    def _release(self, block: KVBlock) -> None:
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self._free_ids[block.block_id] = None
 
     def _take_ref(self, block: KVBlock) -> None:
         if block.ref_count == 0:

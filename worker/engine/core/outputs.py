@@ -23,6 +23,9 @@ class ScheduledChunk:
     block_ids: list[int]
     is_sampling: bool
     draft_token_ids: list[int] = field(default_factory=list)
+    # the sliding-window layers' own table where they have a pool of their own (null-block
+    # entries for blocks that slid out of the window); None: they share `block_ids`
+    local_block_ids: list[int] | None = None
 
     @property
     def is_decode(self) -> bool:

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from worker.engine.core.block_manager import BlockManager, cdiv
+from worker.engine.core.hybrid_blocks import HybridBlockManager
 from worker.engine.core.ngram import NgramProposer, can_speculate
 from worker.engine.core.outputs import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from worker.engine.core.request import Request, RequestStatus
@@ -51,7 +52,9 @@ class SpeculationStats:
 class Scheduler:
     """Decides which tokens of which requests each engine step computes."""
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, block_manager: BlockManager | HybridBlockManager
+    ) -> None:
         self.config = config
         self.block_manager = block_manager
         self.waiting: list[Request] = []
@@ -291,6 +294,7 @@ class Scheduler:
             start_position=start,
             num_tokens=num_new + len(draft_token_ids),
             block_ids=self.block_manager.get_block_ids(request.request_id),
+            local_block_ids=self.block_manager.get_local_block_ids(request.request_id),
             is_sampling=start + num_new == request.num_tokens,
             draft_token_ids=draft_token_ids,
         )

@@ -7,9 +7,11 @@
 // eager bf16 code rounds it (worker/layers/{norm,rotary,activation}.py), so results match
 // eager's up to the order of the RMS sum.
 //
-//   rms_norm_bf16(x, w, eps)            w * bf16(x * rsqrt(mean(x^2) + eps))
-//   add_rms_norm_bf16(x, res, w, eps)   (rms_norm(x + res), x + res): the residual stream
+//   rms_norm_bf16(x, w, eps, offset)    w * bf16(x * rsqrt(mean(x^2) + eps)); with offset 1
+//                                        Gemma's bf16(x * rsqrt(...) * (1 + w)), one rounding
+//   add_rms_norm_bf16(x, res, w, eps, offset)   (rms_norm(x + res), x + res): the stream
 //   silu_mul_bf16(x)                    silu(x[:, :n]) * x[:, n:]
+//   gelu_tanh_mul_bf16(x)               gelu_tanh(x[:, :n]) * x[:, n:] (GeGLU)
 //   rotary_bf16_(x, positions, cos, sin, heads)   in place on the first `heads` heads of
 //                                        x [T, heads..., D] (HF's rotate-half; sin's first
 //                                        half negated, as RotaryEmbedding stores it)
@@ -43,8 +45,15 @@ void check_rows(const at::Tensor& x, const char* name) {
 
 using namespace ladle;
 
-// One row: out = w * bf16(x * rstd); x already summed (x + residual, rounded) by the caller.
-void norm_row(const uint16_t* x, const uint16_t* w, float eps, int64_t n, uint16_t* out) {
+// One row: out = w * bf16(x * rstd), or with `offset` (Gemma) bf16(x * rstd * (offset + w));
+// x already summed (x + residual, rounded) by the caller.
+inline __m512 scaled(__m512 x, __m512 w, __m512 rstd, float offset) {
+  if (offset == 0.0f) return _mm512_mul_ps(w, round_bf16(_mm512_mul_ps(x, rstd)));
+  return _mm512_mul_ps(_mm512_mul_ps(x, rstd), _mm512_add_ps(w, _mm512_set1_ps(offset)));
+}
+
+void norm_row(const uint16_t* x, const uint16_t* w, float eps, float offset, int64_t n,
+              uint16_t* out) {
   __m512 sq = _mm512_setzero_ps();
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
@@ -58,14 +67,12 @@ void norm_row(const uint16_t* x, const uint16_t* w, float eps, int64_t n, uint16
   const __m512 rstd =
       _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(sq) / static_cast<float>(n) + eps));
   for (i = 0; i + 16 <= n; i += 16)
-    store_bf16(out + i, _mm512_mul_ps(bf16_to_f32(w + i),
-                                      round_bf16(_mm512_mul_ps(bf16_to_f32(x + i), rstd))));
+    store_bf16(out + i, scaled(bf16_to_f32(x + i), bf16_to_f32(w + i), rstd, offset));
   if (i < n) {
     const __mmask16 m = tail_mask(n - i);
-    store_bf16_masked(out + i,
-                      _mm512_mul_ps(bf16_to_f32_masked(w + i, m),
-                                    round_bf16(_mm512_mul_ps(bf16_to_f32_masked(x + i, m), rstd))),
-                      m);
+    store_bf16_masked(
+        out + i, scaled(bf16_to_f32_masked(x + i, m), bf16_to_f32_masked(w + i, m), rstd, offset),
+        m);
   }
 }
 
@@ -80,6 +87,23 @@ void add_row(const uint16_t* x, const uint16_t* res, int64_t n, uint16_t* sum) {
                       _mm512_add_ps(bf16_to_f32_masked(x + i, m), bf16_to_f32_masked(res + i, m)),
                       m);
   }
+}
+
+// bf16(gelu_tanh(gate)) * up, as F.gelu(gate, approximate="tanh") * up in bf16:
+// 0.5 g (1 + tanh(u)), tanh(u) = sign(u) (1 - e) / (1 + e) with e = exp(-2|u|), accurate to
+// float rounding near -1 too, where 1 + tanh cancels (as eager's tanh is).
+inline __m512 gelu_tanh_mul(__m512 gate, __m512 up) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(gate, gate), gate);
+  const __m512 u = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
+                                 _mm512_add_ps(gate, _mm512_mul_ps(_mm512_set1_ps(0.044715f), cube)));
+  const __m512 abs_u = _mm512_abs_ps(u);
+  const __m512 e = exp_ps(_mm512_mul_ps(_mm512_set1_ps(-2.0f), abs_u));
+  const __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+  const __m512 sign = _mm512_and_ps(u, _mm512_set1_ps(-0.0f));
+  const __m512 tanh = _mm512_or_ps(t, sign);
+  const __m512 half_g = _mm512_mul_ps(_mm512_set1_ps(0.5f), gate);
+  return _mm512_mul_ps(round_bf16(_mm512_mul_ps(half_g, _mm512_add_ps(one, tanh))), up);
 }
 
 inline __m512 silu_mul(__m512 gate, __m512 up) {
@@ -116,7 +140,7 @@ void check_weight(const at::Tensor& w, int64_t n) {
               "weight must be a contiguous bf16 vector of ", n);
 }
 
-at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& weight, double eps) {
+at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& weight, double eps, double offset) {
   check_rows(x, "x");
   const int64_t rows = x.size(0), n = x.size(1);
   check_weight(weight, n);
@@ -127,7 +151,7 @@ at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& weight, double e
   const int64_t ldx = x.stride(0);
   at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
-      norm_row(xp + r * ldx, wp, static_cast<float>(eps), n, op + r * n);
+      norm_row(xp + r * ldx, wp, static_cast<float>(eps), static_cast<float>(offset), n, op + r * n);
   });
 #else
   TORCH_CHECK(false, "ladle_native: built without AVX512-BF16");
@@ -136,7 +160,8 @@ at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& weight, double e
 }
 
 std::tuple<at::Tensor, at::Tensor> add_rms_norm_bf16(const at::Tensor& x, const at::Tensor& residual,
-                                                     const at::Tensor& weight, double eps) {
+                                                     const at::Tensor& weight, double eps,
+                                                     double offset) {
   check_rows(x, "x");
   check_rows(residual, "residual");
   const int64_t rows = x.size(0), n = x.size(1);
@@ -151,7 +176,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_bf16(const at::Tensor& x, const 
   at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       add_row(xp + r * ldx, rp + r * ldr, n, sp + r * n);
-      norm_row(sp + r * n, wp, static_cast<float>(eps), n, op + r * n);
+      norm_row(sp + r * n, wp, static_cast<float>(eps), static_cast<float>(offset), n, op + r * n);
     }
   });
 #else
@@ -160,7 +185,9 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_bf16(const at::Tensor& x, const 
   return {out, sum};
 }
 
-at::Tensor silu_mul_bf16(const at::Tensor& x) {
+// act(x[:, :n]) * x[:, n:] for each row, `Op` the fused activation-and-multiply.
+template <__m512 (*Op)(__m512, __m512)>
+at::Tensor gated_mul_bf16(const at::Tensor& x) {
   check_rows(x, "x");
   const int64_t rows = x.size(0), n = x.size(1) / 2;
   TORCH_CHECK(x.size(1) % 2 == 0, "x must hold [gate | up]");
@@ -175,11 +202,11 @@ at::Tensor silu_mul_bf16(const at::Tensor& x) {
       uint16_t* dst = op + r * n;
       int64_t i = 0;
       for (; i + 16 <= n; i += 16)
-        store_bf16(dst + i, silu_mul(bf16_to_f32(gate + i), bf16_to_f32(up + i)));
+        store_bf16(dst + i, Op(bf16_to_f32(gate + i), bf16_to_f32(up + i)));
       if (i < n) {
         const __mmask16 m = tail_mask(n - i);
         store_bf16_masked(
-            dst + i, silu_mul(bf16_to_f32_masked(gate + i, m), bf16_to_f32_masked(up + i, m)), m);
+            dst + i, Op(bf16_to_f32_masked(gate + i, m), bf16_to_f32_masked(up + i, m)), m);
       }
     }
   });
@@ -188,6 +215,14 @@ at::Tensor silu_mul_bf16(const at::Tensor& x) {
 #endif
   return out;
 }
+
+#if defined(__AVX512BF16__)
+at::Tensor silu_mul_bf16(const at::Tensor& x) { return gated_mul_bf16<silu_mul>(x); }
+at::Tensor gelu_tanh_mul_bf16(const at::Tensor& x) { return gated_mul_bf16<gelu_tanh_mul>(x); }
+#else
+at::Tensor silu_mul_bf16(const at::Tensor& x) { TORCH_CHECK(false, "no AVX512-BF16"); }
+at::Tensor gelu_tanh_mul_bf16(const at::Tensor& x) { TORCH_CHECK(false, "no AVX512-BF16"); }
+#endif
 
 void rotary_bf16_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
                   const at::Tensor& sin, int64_t heads) {
@@ -224,9 +259,12 @@ void rotary_bf16_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ladle_native, m) {
-  m.def("rms_norm_bf16(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("add_rms_norm_bf16(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("rms_norm_bf16(Tensor x, Tensor weight, float eps, float offset=0.0) -> Tensor");
+  m.def(
+      "add_rms_norm_bf16(Tensor x, Tensor residual, Tensor weight, float eps, float offset=0.0) "
+      "-> (Tensor, Tensor)");
   m.def("silu_mul_bf16(Tensor x) -> Tensor");
+  m.def("gelu_tanh_mul_bf16(Tensor x) -> Tensor");
   m.def("rotary_bf16_(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin, int heads) -> ()");
 }
 
@@ -234,5 +272,6 @@ TORCH_LIBRARY_IMPL(ladle_native, CPU, m) {
   m.impl("rms_norm_bf16", &rms_norm_bf16);
   m.impl("add_rms_norm_bf16", &add_rms_norm_bf16);
   m.impl("silu_mul_bf16", &silu_mul_bf16);
+  m.impl("gelu_tanh_mul_bf16", &gelu_tanh_mul_bf16);
   m.impl("rotary_bf16_", &rotary_bf16_);
 }
