@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -136,3 +137,18 @@ def wait_ready(service: Service, timeout: float = 30.0) -> float:
                 pass
             time.sleep(0.1)
     raise AssertionError(f"not ready after {timeout} s")
+
+
+def cancel_while_queued(svc: Service) -> str:
+    """Submit a job while the only worker is stopped, cancel it, and return its id."""
+    with svc.client() as http:
+        model = http.get("/v1/models").json()["data"][0]["id"]
+    svc.signal_worker(0, signal.SIGSTOP)  # the job stays queued
+    try:
+        with svc.client() as http:
+            job = {"url": "/v1/completions", "body": {"model": model, "prompt": PROMPT}}
+            job_id = http.post("/v1/jobs", json=job).json()["id"]
+            assert http.delete(f"/v1/jobs/{job_id}").json()["status"] == "cancelled"
+    finally:
+        svc.signal_worker(0, signal.SIGCONT)
+    return job_id

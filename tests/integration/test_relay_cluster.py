@@ -6,7 +6,6 @@ the API reaches its stream in the cluster. The cluster's processes are gone afte
 from __future__ import annotations
 
 import json
-import signal
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import redis
 
 from shared.keys import Keys
 from shared.relay_shards import CLUSTER_STREAM_GROUPS
-from tests.integration.faults import PROMPT, expected_text
+from tests.integration.faults import PROMPT, cancel_while_queued, expected_text
 from tests.support.harness import TEST_REDIS_URL, Service, start_service
 from tests.support.redis_topology import REDIS_SERVER, RedisCluster, redis_cluster
 
@@ -111,16 +110,7 @@ def _streams_live_in_the_cluster(svc: Service, cluster: RedisCluster, job_ids: l
 
 
 def _cancel_reaches_the_cluster(svc: Service, cluster: RedisCluster) -> None:
-    with svc.client() as http:
-        model = http.get("/v1/models").json()["data"][0]["id"]
-    svc.signal_worker(0, signal.SIGSTOP)  # the job stays queued
-    try:
-        with svc.client() as http:
-            job = {"url": "/v1/completions", "body": {"model": model, "prompt": PROMPT}}
-            job_id = http.post("/v1/jobs", json=job).json()["id"]
-            assert http.delete(f"/v1/jobs/{job_id}").json()["status"] == "cancelled"
-    finally:
-        svc.signal_worker(0, signal.SIGCONT)
+    job_id = cancel_while_queued(svc)
     stream = Keys(svc.prefix, stream_groups=CLUSTER_STREAM_GROUPS).stream(job_id)
     client = cluster.client()
     (entry,) = client.xrange(stream)

@@ -5,7 +5,6 @@ to, and none stays on the main Redis, which keeps records and queues."""
 from __future__ import annotations
 
 import json
-import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import redis
 
 from shared.keys import Keys
 from shared.relay_shards import shard_of
-from tests.integration.faults import PROMPT, expected_text
+from tests.integration.faults import PROMPT, cancel_while_queued, expected_text
 from tests.support.harness import TEST_REDIS_URL, Service, start_service
 from tests.support.redis_topology import REDIS_SERVER, Node, redis_shards
 
@@ -93,16 +92,7 @@ def test_cancelling_a_queued_job_reaches_its_stream_on_its_shard(
 ) -> None:
     svc, shards = sharded
     keys = Keys(svc.prefix)
-    with svc.client() as http:
-        model = http.get("/v1/models").json()["data"][0]["id"]
-    svc.signal_worker(0, signal.SIGSTOP)  # the job stays queued
-    try:
-        with svc.client() as http:
-            job = {"url": "/v1/completions", "body": {"model": model, "prompt": PROMPT}}
-            job_id = http.post("/v1/jobs", json=job).json()["id"]
-            assert http.delete(f"/v1/jobs/{job_id}").json()["status"] == "cancelled"
-    finally:
-        svc.signal_worker(0, signal.SIGCONT)
+    job_id = cancel_while_queued(svc)
     stream = keys.stream(job_id)
     (entry,) = shards[shard_of(stream, NUM_SHARDS)].client().xrange(stream)
     assert json.loads(entry[1][b"data"])["code"] == "job_cancelled"
