@@ -19,7 +19,7 @@ from shared.contracts import PrefixFingerprint
 from shared.keys import Keys
 from shared.redis_url import sync_client
 from tests.integration.test_service import _poll
-from tests.support.harness import Service, start_service
+from tests.support.harness import Service, start_service, wait_until
 
 BLOCK = 16
 HOLD_MS = 3000  # long: on a loaded machine a worker may take a while to poll
@@ -91,7 +91,11 @@ def test_a_job_routed_to_a_worker_that_never_takes_it_runs_elsewhere(
     redis.set(keys.prefixes("ghost"), holds_everything.model_dump_json(), ex=60)
     try:
         with two_workers.client() as http:
-            time.sleep(0.6)  # the API's list of live workers is cached for half a second
+            wait_until(  # the API's list of live workers, which the router reads, is cached
+                lambda: "ghost" in {w["id"] for w in http.get("/v1/workers").json()["data"]},
+                30,
+                "the API to list the ghost worker",
+            )
             started = time.monotonic()
             _, job = _complete(http, _words(120, 40))
             waited = time.monotonic() - started
