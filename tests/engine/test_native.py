@@ -16,9 +16,8 @@ import torch.nn.functional as F
 
 from tests.support.engines import TEST_DEVICE, add_tiny_tokenizer, assert_all_blocks_free
 from tests.support.engines import make_engine as make_test_engine
-from tests.support.tiny_models import ArgmaxSampler, ManualBatch, make_request, tiny_model_dir
+from tests.support.tiny_models import greedy_logits, tiny_model_dir
 from worker.engine.core.sampling_params import SamplingParams
-from worker.engine.model_runner import ModelRunner
 from worker.layers import native
 from worker.layers.activation import SiluAndMul
 from worker.layers.attention import AttentionOptions, _decode_eager
@@ -302,24 +301,11 @@ def bf16_model_dir(tmp_path_factory):
     return path
 
 
-def _logits(loaded, use_native: bool, prompt: list[int], decode_steps: int) -> torch.Tensor:
-    """Prefill, then greedy decode steps; logits of every step [1 + steps, vocab]."""
-    runner = ModelRunner(loaded, 32, 16, ArgmaxSampler(), native_forward=use_native)
-    assert runner.native_forward == use_native
-    batch = ManualBatch(16, list(range(32)))
-    request = make_request("r", prompt)
-    out = [runner.compute_logits(batch.step([batch.chunk(request, request.num_tokens)]))]
-    for _ in range(decode_steps):
-        request.append_output_token(int(out[-1][0].argmax()))
-        out.append(runner.compute_logits(batch.step([batch.chunk(request, 1)])))
-    return torch.cat(out)
-
-
 def test_native_forward_matches_eager_forward(bf16_model_dir):
     loaded = load_model(str(bf16_model_dir), dtype="bfloat16", device="cpu")
     prompt = [random.Random(12).randrange(3, 256) for _ in range(40)]
-    native_logits = _logits(loaded, True, prompt, decode_steps=6)
-    eager_logits = _logits(loaded, False, prompt, decode_steps=6)
+    native_logits = greedy_logits(loaded, True, prompt, steps=6)
+    eager_logits = greedy_logits(loaded, False, prompt, steps=6)
     scale = eager_logits.abs().max()
     assert (native_logits - eager_logits).abs().max() < 0.05 * scale
     assert torch.equal(native_logits.argmax(-1), eager_logits.argmax(-1))

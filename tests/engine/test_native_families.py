@@ -13,14 +13,7 @@ import torch
 
 from tests.engine.test_batch_invariance import assert_rows_invariant
 from tests.support.engines import TEST_DEVICE
-from tests.support.tiny_models import (
-    FAMILIES,
-    ArgmaxSampler,
-    ManualBatch,
-    make_request,
-    tiny_model_dir,
-)
-from worker.engine.model_runner import ModelRunner
+from tests.support.tiny_models import FAMILIES, greedy_logits, tiny_model_dir
 from worker.layers import native
 from worker.layers.activation import GeluTanhAndMul, SiluAndMul
 from worker.layers.norm import RMSNorm
@@ -87,26 +80,14 @@ def test_blocks_choose_native_only_for_bf16():
     assert norm.native and act.native and not SiluAndMul.native
 
 
-def _logits(loaded, use_native: bool, prompt: list[int], decode_steps: int) -> torch.Tensor:
-    runner = ModelRunner(loaded, 32, 16, ArgmaxSampler(), native_forward=use_native)
-    assert runner.native_forward == use_native
-    batch = ManualBatch(16, list(range(32)))
-    request = make_request("r", prompt)
-    out = [runner.compute_logits(batch.step([batch.chunk(request, request.num_tokens)]))]
-    for _ in range(decode_steps):
-        request.append_output_token(int(out[-1][0].argmax()))
-        out.append(runner.compute_logits(batch.step([batch.chunk(request, 1)])))
-    return torch.cat(out)
-
-
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f not in ("llama", "qwen2")])
 def test_every_family_runs_the_native_forward(family, tmp_path):
     """bf16 with the native kernels: the forward is native and agrees with the eager one."""
     path = tiny_model_dir(family, tmp_path, hidden_size=64, intermediate_size=128)
     loaded = load_model(str(path), dtype="bfloat16", device="cpu")
     prompt = [random.Random(12).randrange(3, 256) for _ in range(30)]
-    native_logits = _logits(loaded, True, prompt, decode_steps=4)
-    eager_logits = _logits(loaded, False, prompt, decode_steps=4)
+    native_logits = greedy_logits(loaded, True, prompt, steps=4)
+    eager_logits = greedy_logits(loaded, False, prompt, steps=4)
     scale = eager_logits.abs().max()
     assert (native_logits - eager_logits).abs().max() < 0.1 * scale
     agree = (native_logits.argmax(-1) == eager_logits.argmax(-1)).float().mean()

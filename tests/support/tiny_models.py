@@ -206,3 +206,18 @@ class ManualBatch:
         for chunk in chunks:
             chunk.request.num_computed_tokens += chunk.num_tokens
         return SchedulerOutput(chunks=chunks)
+
+
+def greedy_logits(loaded: Any, use_native: bool, prompt: list[int], steps: int) -> torch.Tensor:
+    """Prefill, then greedy decode steps on a runner; logits of every step [1 + steps, vocab]."""
+    from worker.engine.model_runner import ModelRunner
+
+    runner = ModelRunner(loaded, 32, 16, ArgmaxSampler(), native_forward=use_native)
+    assert runner.native_forward == use_native
+    batch = ManualBatch(16, list(range(32)))
+    request = make_request("r", prompt)
+    out = [runner.compute_logits(batch.step([batch.chunk(request, request.num_tokens)]))]
+    for _ in range(steps):
+        request.append_output_token(int(out[-1][0].argmax()))
+        out.append(runner.compute_logits(batch.step([batch.chunk(request, 1)])))
+    return torch.cat(out)
