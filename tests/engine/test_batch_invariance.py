@@ -13,8 +13,7 @@ import random
 import pytest
 import torch
 
-from tests.support.engines import TEST_DEVICE
-from worker.layers import native
+from tests.support.engines import TEST_DEVICE, require_native
 from worker.layers.linear_kernels import build_kernel
 
 pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="CPU kernels")
@@ -25,8 +24,7 @@ THREADS = (1, 2)
 
 @pytest.fixture(scope="module", autouse=True)
 def loaded_native():
-    if not native.configure(True):  # the machine's cache: one build serves every test
-        pytest.skip(f"native kernels unavailable here: {native.status()}")
+    require_native()
     previous = torch.get_num_threads()
     yield
     torch.set_num_threads(previous)
@@ -53,7 +51,10 @@ def assert_rows_invariant(fn, probe: torch.Tensor, filler: torch.Tensor) -> None
 
 
 @pytest.mark.parametrize("name", ["native", "amx"])
-@pytest.mark.parametrize("shape,bias", [((960, 576), False), ((208, 1534), True), ((64, 32), True)])
+@pytest.mark.parametrize(
+    "shape,bias",
+    [((960, 576), False), ((208, 1534), True), ((96, 1534), True), ((64, 32), True)],
+)
 def test_bf16_matmul_is_batch_invariant(name, shape, bias):
     weight = _rand(*shape, seed=1) * 0.05
     kernel = build_kernel(name, weight, _rand(shape[0], seed=2) if bias else None)

@@ -16,11 +16,11 @@ from tests.support.engines import (
     add_tiny_tokenizer,
     assert_all_blocks_free,
     make_engine,
+    require_native,
 )
 from tests.support.tiny_models import tiny_model_dir
 from worker.engine.core.sampling_params import SamplingParams
 from worker.engine.offline import LLM
-from worker.layers import native
 
 pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="CPU kernels")
 
@@ -46,8 +46,7 @@ def model_dir(tmp_path_factory) -> Path:
         "llama", tmp_path_factory.mktemp("determinism"), hidden_size=128, intermediate_size=256
     )
     add_tiny_tokenizer(path)
-    if not native.load():
-        pytest.skip(f"native kernels unavailable here: {native.status()}")
+    require_native()
     return path
 
 

@@ -14,7 +14,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.support.engines import TEST_DEVICE, add_tiny_tokenizer, assert_all_blocks_free
+from tests.support.engines import (
+    TEST_DEVICE,
+    add_tiny_tokenizer,
+    assert_all_blocks_free,
+    require_native,
+)
 from tests.support.engines import make_engine as make_test_engine
 from tests.support.tiny_models import greedy_logits, tiny_model_dir
 from worker.engine.core.sampling_params import SamplingParams
@@ -32,8 +37,7 @@ pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="CPU kernels")
 
 @pytest.fixture(scope="module", autouse=True)
 def loaded_native():
-    if not native.configure(True):  # the machine's cache: one build serves every test
-        pytest.skip(f"native kernels unavailable here: {native.status()}")
+    require_native()
     previous = torch.get_num_threads()
     torch.set_num_threads(2)  # the kernels split work over threads: cover the split
     yield

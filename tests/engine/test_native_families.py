@@ -12,9 +12,8 @@ import pytest
 import torch
 
 from tests.engine.test_batch_invariance import assert_rows_invariant
-from tests.support.engines import TEST_DEVICE
+from tests.support.engines import TEST_DEVICE, require_native
 from tests.support.tiny_models import FAMILIES, greedy_logits, tiny_model_dir
-from worker.layers import native
 from worker.layers.activation import GeluTanhAndMul, SiluAndMul
 from worker.layers.norm import RMSNorm
 from worker.models.loader import load_model
@@ -24,8 +23,7 @@ pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="CPU kernels")
 
 @pytest.fixture(scope="module", autouse=True)
 def loaded_native():
-    if not native.configure(True):
-        pytest.skip(f"native kernels unavailable here: {native.status()}")
+    require_native()
     previous = torch.get_num_threads()
     torch.set_num_threads(2)
     yield

@@ -65,3 +65,16 @@ def assert_all_blocks_free(engine: LLMEngine) -> None:
     local = getattr(bm, "local", None)  # sliding-window layers' own pool
     if local is not None:
         assert local.num_free_blocks == local.num_blocks, f"{local.num_used_blocks} local blocks"
+
+
+def require_native() -> None:
+    """Load the native kernels, or skip where this machine cannot have them (no x86-64, no
+    compiler, no AVX512-BF16); a build that fails where they should build fails the test."""
+    from worker.layers import native
+
+    if native.configure(True):
+        return
+    reason = native.status()
+    if reason.startswith("build or load failed"):
+        pytest.fail(f"native kernels did not build: {reason}")
+    pytest.skip(f"native kernels unavailable here: {reason}")

@@ -11,8 +11,9 @@
 // Reduction order (batch invariant, see gemm.h):
 //   avx512 (`amx=False`): per row and block, two float32 sums over K, pairs 0, 2, 4, ... in
 //     one and 1, 3, 5, ... in the other (an odd last pair goes to the first), then
-//     first + second, + bias. One row streams four blocks at once (`gemv`), several rows
-//     share each block load (`gemm`): the same two sums either way.
+//     first + second, + bias. One row streams four blocks at once (`gemv`), up to 8 rows
+//     share each block load (`gemm`), more rows go over strips of two blocks four rows at a
+//     time (`strip_gemm`): the same two sums in every path.
 //   amx (`amx=True`, every M including 1): per row, one C tile accumulating 16 pairs per
 //     `tdpbf16ps` over K in order; a row's result does not depend on the tile's other rows.
 // The two orders differ from each other, so a layer uses one of them for every row count.
@@ -27,6 +28,7 @@
 #include "gemm.h"
 #include "vec_bf16.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -144,6 +146,100 @@ void gemm(const uint16_t* x, const uint16_t* packed, const float* bias, uint16_t
         block_rows(rows, block, x + m0 * K, K, pairs, sums);
         for (int64_t m = 0; m < rows; ++m)
           store_bf16(y + (m0 + m) * N + b * kRows, with_bias(_mm512_load_ps(sums + m * kRows), bb));
+      }
+    }
+  });
+}
+
+// Many rows (more than kMaxM): a strip of kStripBlocks blocks, kStripRows rows of x at a time,
+// two sums per row and block as everywhere. The strip's weights come from memory once and
+// from cache for its other row passes; the next strip is prefetched into L2 a few lines per
+// step across all passes, so memory streams while the arithmetic runs instead of before it.
+constexpr int64_t kStripBlocks = 2;
+constexpr int64_t kStripRows = 4;
+
+// Where the next strip's prefetch stands: `lines` cache lines per two pairs up to `end`.
+struct Prefetch {
+  const char* next;
+  const char* end;
+  int64_t lines;
+
+  inline void step() {
+    for (int64_t l = 0; l < lines && next < end; ++l, next += 64) _mm_prefetch(next, _MM_HINT_T1);
+  }
+};
+
+// R rows of x against kStripBlocks blocks: out[r][n][0..16) = that row and block's result.
+template <int R>
+void strip_tile(const uint16_t* blocks, int64_t pairs, const uint16_t* x, int64_t ldx,
+                Prefetch& ahead, float* out) {
+  constexpr int NB = kStripBlocks;
+  const int64_t stride = pairs * 2 * kRows;
+  __m512 acc[R][NB][kSums];
+  for (int r = 0; r < R; ++r)
+    for (int n = 0; n < NB; ++n)
+      for (int u = 0; u < kSums; ++u) acc[r][n][u] = _mm512_setzero_ps();
+  int64_t p = 0;
+  for (; p + kSums <= pairs; p += kSums) {
+    ahead.step();
+    for (int u = 0; u < kSums; ++u) {
+      __m512i w[NB];
+      for (int n = 0; n < NB; ++n) w[n] = _mm512_loadu_si512(blocks + n * stride + (p + u) * 2 * kRows);
+      for (int r = 0; r < R; ++r) {
+        const __m512i pair = pair_of(x + r * ldx + 2 * (p + u));
+        for (int n = 0; n < NB; ++n)
+          acc[r][n][u] = _mm512_dpbf16_ps(acc[r][n][u], as_bh(w[n]), as_bh(pair));
+      }
+    }
+  }
+  for (; p < pairs; ++p) {
+    __m512i w[NB];
+    for (int n = 0; n < NB; ++n) w[n] = _mm512_loadu_si512(blocks + n * stride + p * 2 * kRows);
+    for (int r = 0; r < R; ++r) {
+      const __m512i pair = pair_of(x + r * ldx + 2 * p);
+      for (int n = 0; n < NB; ++n)
+        acc[r][n][0] = _mm512_dpbf16_ps(acc[r][n][0], as_bh(w[n]), as_bh(pair));
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int n = 0; n < NB; ++n)
+      _mm512_storeu_ps(out + (r * NB + n) * kRows, _mm512_add_ps(acc[r][n][0], acc[r][n][1]));
+}
+
+void strip_rows(int64_t rows, const uint16_t* blocks, int64_t pairs, const uint16_t* x,
+                int64_t ldx, Prefetch& ahead, float* out) {
+  switch (rows) {
+    case 1: return strip_tile<1>(blocks, pairs, x, ldx, ahead, out);
+    case 2: return strip_tile<2>(blocks, pairs, x, ldx, ahead, out);
+    case 3: return strip_tile<3>(blocks, pairs, x, ldx, ahead, out);
+    default: return strip_tile<4>(blocks, pairs, x, ldx, ahead, out);
+  }
+}
+
+void strip_gemm(const uint16_t* x, const uint16_t* packed, const float* bias, uint16_t* y,
+                int64_t M, int64_t N, int64_t K) {
+  const int64_t pairs = K / 2, blocks = N / kRows, block_elems = pairs * 2 * kRows;
+  const int64_t strips = blocks / kStripBlocks;  // N % 32 == 0 (the caller checks)
+  const int64_t passes = (M + kStripRows - 1) / kStripRows;
+  // the next strip's lines, spread over every pass of this one
+  const int64_t lines = (kStripBlocks * block_elems * 2 / 64 + passes * (pairs / kSums) - 1) /
+                        std::max<int64_t>(1, passes * (pairs / kSums));
+  at::parallel_for(0, strips, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float sums[kStripRows * kStripBlocks * kRows];
+    for (int64_t s = begin; s < end; ++s) {
+      const uint16_t* strip = packed + s * kStripBlocks * block_elems;
+      const char* next = reinterpret_cast<const char*>(strip + kStripBlocks * block_elems);
+      Prefetch ahead{next, s + 1 < end ? next + kStripBlocks * block_elems * 2 : next, lines};
+      for (int64_t m0 = 0; m0 < M; m0 += kStripRows) {
+        const int64_t rows = std::min(kStripRows, M - m0);
+        strip_rows(rows, strip, pairs, x + m0 * K, K, ahead, sums);
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t n = 0; n < kStripBlocks; ++n) {
+            const int64_t b = s * kStripBlocks + n;
+            store_bf16(y + (m0 + r) * N + b * kRows,
+                       with_bias(_mm512_load_ps(sums + (r * kStripBlocks + n) * kRows),
+                                 bias ? bias + b * kRows : nullptr));
+          }
       }
     }
   });
@@ -293,6 +389,8 @@ at::Tensor gemm_bf16(const at::Tensor& x, const at::Tensor& packed,
 #endif
   if (M == 1)
     gemv(xp, pp, bp, yp, N, K);
+  else if (M > kMaxM && N % (kRows * kStripBlocks) == 0)
+    strip_gemm(xp, pp, bp, yp, M, N, K);
   else if (M > 1)
     gemm(xp, pp, bp, yp, M, N, K);
 #endif
