@@ -24,6 +24,7 @@ from worker.layers.moe import MoESpec, SparseMoE
 from worker.layers.norm import RMSNorm
 from worker.layers.rotary import RotaryEmbedding
 from worker.layers.self_attention import AttentionSpec, SelfAttention
+from worker.models.native_stack import LayerStack
 from worker.models.weights import Weights, load_checkpoint
 
 
@@ -105,12 +106,17 @@ class DecoderModel(nn.Module):
             DecoderLayer(spec, layer, self.rotary_emb[layer.rope]) for layer in spec.layers
         )
         self.norm = RMSNorm(spec.hidden_size, spec.norm_eps, spec.norm_offset)
+        self.native_layers = LayerStack()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         residual = torch.zeros_like(hidden)  # x + 0 is x: every layer has one signature
-        for layer in self.layers:
-            hidden, residual = layer(hidden, residual, positions)
+        stack = self.native_layers.for_step(self.layers, hidden.shape[0])
+        if stack is not None:
+            hidden, residual = stack.forward(hidden, residual, positions)
+        else:
+            for layer in self.layers:
+                hidden, residual = layer(hidden, residual, positions)
         return self.norm.with_residual(hidden, residual)[0]
 
 

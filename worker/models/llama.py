@@ -21,6 +21,7 @@ from worker.layers.norm import RMSNorm
 from worker.layers.quant import QuantizedTensor
 from worker.layers.rotary import RotaryEmbedding, rope_parameters
 from worker.models.hf_config import head_dim_of, layer_window
+from worker.models.native_stack import LayerStack
 from worker.models.weights import load_checkpoint
 
 
@@ -137,14 +138,19 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.variant = variant
+        self.native_layers = LayerStack()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         # the stream starts at zero, so every layer has one signature (one compiled graph);
         # x + 0 is x exactly
         residual = torch.zeros_like(hidden)
-        for layer in self.layers:
-            hidden, residual = layer(hidden, residual, positions)
+        stack = self.native_layers.for_step(self.layers, hidden.shape[0])
+        if stack is not None:  # the same ops as the loop below, in one native call
+            hidden, residual = stack.forward(hidden, residual, positions)
+        else:
+            for layer in self.layers:
+                hidden, residual = layer(hidden, residual, positions)
         return self.norm.with_residual(hidden, residual)[0]
 
 

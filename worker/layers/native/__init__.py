@@ -38,7 +38,14 @@ logger = logging.getLogger(__name__)
 _HERE = Path(__file__).parent
 SOURCES = tuple(
     _HERE / name
-    for name in ("gemm_bf16.cpp", "gemm_int4.cpp", "gemm_f32.cpp", "attention.cpp", "glue_bf16.cpp")
+    for name in (
+        "gemm_bf16.cpp",
+        "gemm_int4.cpp",
+        "gemm_f32.cpp",
+        "attention.cpp",
+        "glue_bf16.cpp",
+        "stack_bf16.cpp",
+    )
 )
 HEADERS = (_HERE / "vec_bf16.h", _HERE / "gemm.h")
 BUILD_TIMEOUT_S = 600

@@ -1,0 +1,71 @@
+"""The decoder's layers as one native call (`worker/models/native_stack.py`): the same tokens
+and logprobs, bit for bit, as the Python layer loop it replaces, and the loop kept where a
+model does not qualify."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from tests.support.engines import TEST_DEVICE, add_tiny_tokenizer, make_engine, require_native
+from tests.support.tiny_models import tiny_model_dir
+from worker.engine.core.sampling_params import SamplingParams
+from worker.engine.offline import LLM
+from worker.models import native_stack
+
+pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="CPU kernels")
+
+PARAMS = [
+    SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0),
+    SamplingParams(temperature=0.8, seed=5, max_tokens=12, ignore_eos=True, logprobs=0),
+]
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(11)
+    return [[rng.randrange(3, 256) for _ in range(rng.randint(5, 70))] for _ in range(6)]
+
+
+def _run(model_dir: Path, enabled: bool, monkeypatch, **settings: object) -> tuple[list, object]:
+    build = native_stack.build_stack if enabled else (lambda layers: None)
+    with monkeypatch.context() as patch:
+        patch.setattr(native_stack, "build_stack", build)
+        engine = make_engine(
+            model_dir, linear_kernel="native", deterministic=True, dtype="bfloat16", **settings
+        )
+        params = [PARAMS[i % 2] for i in range(6)]
+        results = LLM(engine=engine).generate(_prompts(), params)
+    answers = [
+        (tuple(o.token_ids), tuple(t.logprob for t in o.logprobs or []))
+        for r in results
+        for o in r.outputs
+    ]
+    return answers, engine.executor.runner.model.model.native_layers._stack
+
+
+@pytest.mark.parametrize(
+    "family,settings",
+    [
+        ("llama", {"num_threads": 2}),
+        ("llama", {"num_threads": 1, "quantization": "int4"}),
+        ("qwen2", {"num_threads": 2}),  # a bias on qkv
+    ],
+)
+def test_stack_gives_the_loops_answers(family, settings, tmp_path, monkeypatch) -> None:
+    require_native()
+    path = tiny_model_dir(family, tmp_path, hidden_size=128, intermediate_size=256)
+    add_tiny_tokenizer(path)
+    looped, none = _run(path, False, monkeypatch, **settings)
+    stacked, stack = _run(path, True, monkeypatch, **settings)
+    assert none is None and stack is not None  # the second run went through the stack
+    assert stacked == looped
+
+
+def test_a_model_that_does_not_qualify_keeps_the_loop(tmp_path, monkeypatch) -> None:
+    require_native()
+    path = tiny_model_dir("gemma3", tmp_path, hidden_size=128, intermediate_size=256)
+    add_tiny_tokenizer(path)
+    _, stack = _run(path, True, monkeypatch, num_threads=1)
+    assert stack is None  # sandwich norms, q/k norms, windows: the Python layers serve it

@@ -1,0 +1,215 @@
+// A run of Llama-shaped decoder layers in one call (worker/layers/native_stack.py builds it).
+//
+// Each layer runs exactly the ops the Python forward runs (worker/models/decoder.py with the
+// native kernels: add_rms_norm_bf16, the qkv matmul, rotary_bf16_ in place, write_kv_bf16,
+// paged_attention_rows on q read in place, the o matmul, add_rms_norm_bf16, gate_up,
+// silu_mul_bf16, down), in the same order and on the same tensors, so a step's results are
+// bit for bit the Python loop's; what goes is the ~25 Python calls per layer between them
+// (a few milliseconds a step on a small model, as much as its matmuls at one row).
+//
+// The ops are called through the dispatcher, handles looked up once: each costs about a
+// microsecond, against tens of microseconds through Python.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+enum LinearKind : int64_t { kBf16 = 0, kBf16Amx = 1, kInt4 = 2 };
+
+struct Linear {
+  at::Tensor packed;
+  std::optional<at::Tensor> bias;  // none: no bias
+  int64_t kind = kBf16;
+  int64_t out_features = 0;
+};
+
+struct Layer {
+  at::Tensor input_norm, post_norm, k_cache, v_cache;
+  Linear qkv, o, gate_up, down;
+};
+
+struct Stack {
+  std::vector<Layer> layers;
+  at::Tensor cos, sin;
+  int64_t num_heads = 0, num_kv_heads = 0, head_dim = 0;
+  double eps = 0.0, scale = 0.0;
+};
+
+std::mutex registry_mutex;
+std::vector<std::shared_ptr<const Stack>> registry;
+
+template <class Signature>
+c10::TypedOperatorHandle<Signature> op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+struct Ops {
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&,
+                                      const c10::optional<at::Tensor>&, bool)>
+      gemm_bf16 = op<at::Tensor(const at::Tensor&, const at::Tensor&,
+                                const c10::optional<at::Tensor>&, bool)>("ladle_native::gemm_bf16");
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t,
+                                      const c10::optional<at::Tensor>&)>
+      gemm_int4 = op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t,
+                                const c10::optional<at::Tensor>&)>("ladle_native::gemm_int4");
+  c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor>(
+      const at::Tensor&, const at::Tensor&, const at::Tensor&, double, double)>
+      add_rms_norm = op<std::tuple<at::Tensor, at::Tensor>(
+          const at::Tensor&, const at::Tensor&, const at::Tensor&, double, double)>(
+          "ladle_native::add_rms_norm_bf16");
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_mul =
+      op<at::Tensor(const at::Tensor&)>("ladle_native::silu_mul_bf16");
+  c10::TypedOperatorHandle<void(at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const at::Tensor&, int64_t)>
+      rotary = op<void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                       int64_t)>("ladle_native::rotary_bf16_");
+  c10::TypedOperatorHandle<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&,
+                                const at::Tensor&)>
+      write_kv = op<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&,
+                         const at::Tensor&)>("ladle_native::write_kv_bf16");
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      const at::Tensor&, const at::Tensor&, double,
+                                      const std::optional<at::Tensor>&, double)>
+      attention = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const at::Tensor&, const at::Tensor&, double,
+                                const std::optional<at::Tensor>&, double)>(
+          "ladle_native::paged_attention_rows");
+};
+
+const Ops& ops() {
+  static const Ops handles;  // after every op is registered: the first forward, not load
+  return handles;
+}
+
+// What `Linear.forward` computes with the layer's kernel: the bf16 kernels add the bias
+// inside, the int4 one after, in bf16 (as `WeightOnlyKernel.__call__`).
+at::Tensor linear(const Linear& l, const at::Tensor& x) {
+  if (l.kind == kInt4) {
+    at::Tensor out = ops().gemm_int4.call(x, l.packed, l.out_features, c10::nullopt);
+    return l.bias ? out + *l.bias : out;
+  }
+  return ops().gemm_bf16.call(x, l.packed, l.bias, l.kind == kBf16Amx);
+}
+
+Linear linear_from(const std::vector<at::Tensor>& t, size_t at_index, const int64_t* ints) {
+  Linear l;
+  l.packed = t[at_index];
+  if (t[at_index + 1].numel() > 0) l.bias = t[at_index + 1];
+  l.kind = ints[0];
+  l.out_features = ints[1];
+  TORCH_CHECK(l.kind == kBf16 || l.kind == kBf16Amx || l.kind == kInt4, "unknown linear kind");
+  return l;
+}
+
+constexpr size_t kTensorsPerLayer = 12;  // norms 2, linears 4 x (packed, bias), caches 2
+constexpr size_t kIntsPerLayer = 8;      // linears 4 x (kind, out_features)
+
+// tensors: per layer input_norm, post_norm, qkv, qkv_bias, o, o_bias, gate_up, gate_up_bias,
+// down, down_bias, k_cache, v_cache (an empty bias: none), then cos and sin; ints: per layer
+// (kind, out_features) of qkv, o, gate_up, down. Returns the stack's handle.
+int64_t stack_create(const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& ints,
+                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
+                     double scale) {
+  TORCH_CHECK(tensors.size() >= 2 && (tensors.size() - 2) % kTensorsPerLayer == 0,
+              "stack_create: tensors must be 12 per layer, then cos and sin");
+  const size_t num_layers = (tensors.size() - 2) / kTensorsPerLayer;
+  TORCH_CHECK(ints.size() == num_layers * kIntsPerLayer, "stack_create: 8 ints per layer");
+  auto stack = std::make_shared<Stack>();
+  for (size_t i = 0; i < num_layers; ++i) {
+    const size_t t = i * kTensorsPerLayer;
+    const int64_t* n = ints.data() + i * kIntsPerLayer;
+    Layer layer;
+    layer.input_norm = tensors[t];
+    layer.post_norm = tensors[t + 1];
+    layer.qkv = linear_from(tensors, t + 2, n);
+    layer.o = linear_from(tensors, t + 4, n + 2);
+    layer.gate_up = linear_from(tensors, t + 6, n + 4);
+    layer.down = linear_from(tensors, t + 8, n + 6);
+    layer.k_cache = tensors[t + 10];
+    layer.v_cache = tensors[t + 11];
+    stack->layers.push_back(std::move(layer));
+  }
+  stack->cos = tensors[tensors.size() - 2];
+  stack->sin = tensors[tensors.size() - 1];
+  stack->num_heads = num_heads;
+  stack->num_kv_heads = num_kv_heads;
+  stack->head_dim = head_dim;
+  stack->eps = eps;
+  stack->scale = scale;
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  registry.push_back(std::move(stack));
+  return static_cast<int64_t>(registry.size() - 1);
+}
+
+void stack_free(int64_t handle) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  TORCH_CHECK(handle >= 0 && handle < static_cast<int64_t>(registry.size()), "no such stack");
+  registry[handle].reset();  // the caches and weights are the model's: only references go
+}
+
+std::shared_ptr<const Stack> stack_at(int64_t handle) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  TORCH_CHECK(handle >= 0 && handle < static_cast<int64_t>(registry.size()) && registry[handle],
+              "no such stack");
+  return registry[handle];
+}
+
+// One layer, as DecoderLayer.forward: (previous block's output, stream) -> (output, stream).
+std::tuple<at::Tensor, at::Tensor> layer_forward(const Stack& s, const Layer& l,
+                                                 const at::Tensor& hidden,
+                                                 const at::Tensor& residual,
+                                                 const at::Tensor& positions,
+                                                 const at::Tensor& slots, const at::Tensor& tables,
+                                                 const at::Tensor& lens) {
+  const Ops& o = ops();
+  auto [x, stream] = o.add_rms_norm.call(hidden, residual, l.input_norm, s.eps, 0.0);
+  const at::Tensor qkv = linear(l.qkv, x);
+  const int64_t tokens = qkv.size(0), num_qk = s.num_heads + s.num_kv_heads;
+  at::Tensor heads = qkv.view({tokens, -1, s.head_dim});
+  o.rotary.call(heads, positions, s.cos, s.sin, num_qk);
+  const at::Tensor q = heads.slice(1, 0, s.num_heads);
+  const at::Tensor k = heads.slice(1, s.num_heads, num_qk);
+  const at::Tensor v = heads.slice(1, num_qk);
+  at::Tensor k_cache = l.k_cache, v_cache = l.v_cache;
+  o.write_kv.call(k, v, k_cache, v_cache, slots);
+  const at::Tensor attended =
+      o.attention.call(q, l.k_cache, l.v_cache, tables, lens, s.scale, std::nullopt, 0.0);
+  const at::Tensor projected = linear(l.o, attended.view({tokens, -1}));
+  auto [y, stream2] = o.add_rms_norm.call(projected, stream, l.post_norm, s.eps, 0.0);
+  const at::Tensor out = linear(l.down, o.silu_mul.call(linear(l.gate_up, y)));
+  return {out, stream2};
+}
+
+std::tuple<at::Tensor, at::Tensor> stack_forward(int64_t handle, const at::Tensor& hidden,
+                                                 const at::Tensor& residual,
+                                                 const at::Tensor& positions,
+                                                 const at::Tensor& slots, const at::Tensor& tables,
+                                                 const at::Tensor& lens) {
+  const std::shared_ptr<const Stack> stack = stack_at(handle);
+  at::Tensor h = hidden, r = residual;
+  for (const Layer& layer : stack->layers)
+    std::tie(h, r) = layer_forward(*stack, layer, h, r, positions, slots, tables, lens);
+  return {h, r};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(ladle_native, m) {
+  m.def(
+      "stack_create(Tensor[] tensors, int[] ints, int num_heads, int num_kv_heads, "
+      "int head_dim, float eps, float scale) -> int",
+      &stack_create);
+  m.def("stack_free(int handle) -> ()", &stack_free);
+  m.def(
+      "stack_forward(int handle, Tensor hidden, Tensor residual, Tensor positions, "
+      "Tensor slots, Tensor tables, Tensor context_lens) -> (Tensor, Tensor)",
+      &stack_forward);
+}

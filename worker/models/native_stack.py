@@ -1,0 +1,183 @@
+"""A decoder's layers as one native call per step, where every layer is Llama-shaped and
+runs on the native kernels (`worker/layers/native/stack_bf16.cpp`).
+
+The C++ stack runs the ops the Python layers would run, in their order, on the same tensors:
+results are bit for bit the Python loop's, without its per-layer calls. A model qualifies
+when every layer has plain pre-norm attention (no q/k norms, clipping, soft-cap or window)
+with native rows, native norms without offset, native full rotary shared by all layers, a
+SwiGLU MLP, and every projection on the bf16 or native int4 kernel; any other model, and any
+step that is not all rows (prefill chunks outside the invariant mode), keeps the Python loop.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from worker.layers import native
+from worker.layers.activation import SiluAndMul
+from worker.layers.context import AttentionMetadata, get_attention_metadata
+from worker.layers.linear import Linear
+from worker.layers.linear_kernels import NativeKernel
+from worker.layers.quant import Int4Kernel
+
+_EMPTY = torch.empty(0)
+KIND_BF16, KIND_BF16_AMX, KIND_INT4 = 0, 1, 2
+
+
+class NativeStack:
+    """The handle of a C++ stack over a model's layers (freed with this object)."""
+
+    def __init__(self, handle: int) -> None:
+        self.handle = handle
+
+    def __del__(self) -> None:
+        try:
+            torch.ops.ladle_native.stack_free(self.handle)
+        except (AttributeError, RuntimeError):  # at interpreter exit the op may be gone
+            pass
+
+    def forward(
+        self, hidden: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        meta = get_attention_metadata()
+        return torch.ops.ladle_native.stack_forward(
+            self.handle,
+            hidden,
+            residual,
+            positions,
+            meta.slot_mapping,
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+        )
+
+
+class LayerStack:
+    """A model's layers as one native call where the model and the step qualify; built on
+    first use, and again when a layer's kernel, cache or native choice changed."""
+
+    def __init__(self) -> None:
+        self._stack: NativeStack | None = None
+        self._key: tuple[int, ...] = ()
+
+    def for_step(self, layers: nn.ModuleList, num_tokens: int) -> NativeStack | None:
+        if not native.loaded() or torch.compiler.is_compiling():
+            return None
+        if not step_fits(get_attention_metadata(), num_tokens):
+            return None
+        listed = list(layers)
+        key = stack_key(listed)
+        if key != self._key:
+            self._stack, self._key = build_stack(listed), key
+        return self._stack
+
+
+def step_fits(meta: AttentionMetadata, num_tokens: int) -> bool:
+    """Whether this step is all rows over their block tables (what the stack attends)."""
+    return (
+        meta.num_decode_tokens == num_tokens
+        and meta.decode_context_lens is not None
+        and meta.decode_block_tables is not None
+        and meta.local is None
+    )
+
+
+def stack_key(layers: list[Any]) -> tuple[int, ...]:
+    """What a built stack depends on: each layer's kernels, caches and native choices."""
+    key: list[int] = []
+    for layer in layers:
+        attn = layer.self_attn
+        key.append(id(attn.attn.k_cache))
+        key.append(attn.attn.native_rows + 2 * layer.input_layernorm.native)
+        key.append(id(attn._rotary[0]) + attn._rotary[0].native)
+        act = getattr(layer.mlp, "act", None)
+        key.append(bool(getattr(act, "native", False)))
+        key.extend(id(linear.kernel) for linear in _linears(layer))
+    return tuple(key)
+
+
+def build_stack(layers: list[Any]) -> NativeStack | None:
+    """A stack over `layers` if every one qualifies (see the module's docstring), else None."""
+    if not layers or not hasattr(torch.ops.ladle_native, "stack_create"):
+        return None
+    first = layers[0]
+    attn, rotary = first.self_attn.attn, first.self_attn._rotary[0]
+    shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale)
+    eps = first.input_layernorm.eps
+    tensors: list[torch.Tensor] = []
+    ints: list[int] = []
+    for layer in layers:
+        parts = _layer_parts(layer, rotary, shape, eps)
+        if parts is None:
+            return None
+        tensors.extend(parts[0])
+        ints.extend(parts[1])
+    tensors += [rotary.cos_cache, rotary.sin_cache]
+    handle = torch.ops.ladle_native.stack_create(tensors, ints, *shape[:3], eps, shape[3])
+    return NativeStack(int(handle))
+
+
+def _linears(layer: Any) -> list[Linear]:
+    attn, mlp = layer.self_attn, layer.mlp
+    found = [attn.qkv_proj, attn.o_proj]
+    if hasattr(mlp, "gate_up_proj"):
+        found += [mlp.gate_up_proj, mlp.down_proj]
+    return found
+
+
+def _plain_attention(layer: Any, rotary: Any, shape: tuple[Any, ...]) -> bool:
+    """Pre-norm attention with nothing between qkv and the row kernel but a full rotary."""
+    block, attn = layer.self_attn, layer.self_attn.attn
+    spec = getattr(block, "spec", None)
+    return (
+        (attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale) == shape
+        and getattr(block, "q_norm", None) is None
+        and not getattr(spec, "clip_qkv", None)
+        and attn.softcap is None
+        and attn.sliding_window is None
+        and block._rotary[0] is rotary
+        and rotary.native
+        and attn.native_rows
+        and not attn.local_pool
+        and attn.k_cache is not None
+        and attn.k_cache.dtype == torch.bfloat16
+    )
+
+
+def _layer_parts(
+    layer: Any, rotary: Any, shape: tuple[Any, ...], eps: float
+) -> tuple[list[torch.Tensor], list[int]] | None:
+    """The layer's 12 tensors and 8 ints for `stack_create`, or None if it does not qualify."""
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    plain_norms = not getattr(layer, "sandwich", False) and all(
+        n.native and n.offset == 0.0 and n.eps == eps for n in norms
+    )
+    act = getattr(layer.mlp, "act", None)
+    swiglu = hasattr(layer.mlp, "gate_up_proj") and isinstance(act, SiluAndMul) and act.native
+    if not (_plain_attention(layer, rotary, shape) and plain_norms and swiglu):
+        return None
+    tensors = [norm.weight for norm in norms]
+    ints: list[int] = []
+    for linear in _linears(layer):
+        part = _linear_part(linear)
+        if part is None:
+            return None
+        tensors += [part[0], part[1]]
+        ints += [part[2], linear.out_features]
+    attn = layer.self_attn.attn
+    tensors += [attn.k_cache, attn.v_cache]
+    return tensors, ints
+
+
+def _linear_part(linear: Linear) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """(packed weight, bias or an empty tensor, kind) of a native bf16 or int4 kernel."""
+    kernel = linear.kernel
+    if isinstance(kernel, NativeKernel) and not kernel.is_f32:
+        bias = kernel.bias if kernel.bias is not None else _EMPTY
+        return kernel.packed, bias, KIND_BF16_AMX if kernel.amx else KIND_BF16
+    if isinstance(kernel, Int4Kernel) and kernel.native_packed is not None:
+        bias = kernel.bias if kernel.bias is not None else _EMPTY
+        return kernel.native_packed, bias, KIND_INT4
+    return None
