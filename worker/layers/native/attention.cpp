@@ -125,6 +125,19 @@ inline __m512 softcap_ps(__m512 x, float cap) {
   return _mm512_mul_ps(t, _mm512_set1_ps(cap));
 }
 
+// The cache rows of positions [from, min(from + kKeys, end)) on their way into cache: a row's
+// blocks lie anywhere in the cache, where the hardware prefetcher cannot follow, and a step's
+// caches are larger than the last-level cache.
+template <class E, int D>
+inline void prefetch_rows(const typename E::T* base, const int64_t* offs, int64_t from,
+                          int64_t end) {
+  constexpr int64_t kLines = (D * sizeof(typename E::T) + 63) / 64;
+  const int64_t stop = end - from < kKeys ? end : from + kKeys;
+  for (int64_t p = from; p < stop; ++p)
+    for (int64_t l = 0; l < kLines; ++l)
+      _mm_prefetch(reinterpret_cast<const char*>(base + offs[p]) + 64 * l, _MM_HINT_T0);
+}
+
 // scores[g][i] for the row's positions first + i < end (`offs` indexed by position), and
 // each head's maximum.
 template <class E, int D>
@@ -143,6 +156,7 @@ void score(const typename E::T* q, int64_t q_head_stride, int G, const typename 
     const int64_t n = len - p0 < kKeys ? len - p0 : kKeys;
     for (int64_t j = 0; j < kKeys; ++j)  // past the end: the last key again, ignored
       keys[j] = keys_base + offs[first + p0 + (j < n ? j : n - 1)];
+    prefetch_rows<E, D>(keys_base, offs, first + p0 + kKeys, first + len);
     const __mmask16 valid = tail_mask(n);
     for (int g = 0; g < G; ++g) {
       __m512 acc[kKeys];
@@ -192,6 +206,7 @@ void weigh_values(const typename E::T* values_base, const int64_t* offs, int64_t
   for (int g = 0; g < N; ++g)
     for (int i = 0; i < V; ++i) acc[g][i] = _mm512_setzero_ps();
   for (int64_t p = 0; p < len; ++p) {
+    if (p % kKeys == 0) prefetch_rows<E, D>(values_base, offs, first + p + kKeys, first + len);
     const typename E::T* value = values_base + offs[first + p];
     __m512 v[V];
     for (int i = 0; i < V; ++i) v[i] = E::load16(value + 16 * i);
@@ -233,6 +248,7 @@ void attend(const typename E::T* q, int64_t q_head_stride, int G, const Cache& c
   float maxes[kMaxGroup], inv[kMaxGroup];
   const auto* keys = static_cast<const typename E::T*>(c.k);
   const auto* values = static_cast<const typename E::T*>(c.v);
+  prefetch_rows<E, D>(values, row.offs, row.first, row.end);  // read after the scores
   score<E, D>(q, q_head_stride, G, keys, row.offs, row.first, row.end, scale, cap,
               scores.data(), maxes);
   for (int g = 0; g < G; ++g) inv[g] = exponentiate(scores.data() + g * len, len, maxes[g]);
