@@ -29,7 +29,7 @@ from worker.models import native_stack
 def set_stack(engine: LLMEngine, enabled: bool) -> None:
     """Use the native stack from the next step on, or the Python loop."""
     model = engine.executor.runner.model.model
-    model.native_layers._key = ()  # rebuilt (or not) at the next step
+    model.native_layers._built_at = -1  # rebuilt (or not) at the next step
     native_stack.build_stack = _BUILD if enabled else (lambda layers: None)
 
 

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.layers.changes import note_change
+
 
 class SiluAndMul(nn.Module):
     """silu(gate) * up (SwiGLU)."""
@@ -14,6 +16,7 @@ class SiluAndMul(nn.Module):
 
     def use_native(self, enabled: bool) -> None:
         self.native = enabled
+        note_change()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native and x.dtype == torch.bfloat16 and x.dim() == 2:
@@ -29,6 +32,7 @@ class GeluTanhAndMul(nn.Module):
 
     def use_native(self, enabled: bool) -> None:
         self.native = enabled
+        note_change()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native and x.dtype == torch.bfloat16 and x.dim() == 2:

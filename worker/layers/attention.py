@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.layers import native
+from worker.layers.changes import note_change
 from worker.layers.context import AttentionMetadata, PrefillChunkMeta, get_attention_metadata
 from worker.layers.handles import handle_of, resolve
 
@@ -56,6 +57,7 @@ class PagedAttention(nn.Module):
         # the native row kernel takes a window as each row's first position, and soft-caps
         self.native_rows = rows_supported(k_cache, self.num_heads)
         self.layer_id = torch.tensor(handle_of(self))
+        note_change()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.layers.changes import note_change
 from worker.layers.handles import handle_of
 from worker.layers.linear_kernels import LinearKernel
 from worker.layers.quant import (
@@ -46,6 +47,7 @@ class Linear(nn.Linear):
         """Use `kernel` for 2-D inputs from now on (None: plain `F.linear`)."""
         self.kernel = kernel
         self.kernel_id = None if kernel is None else torch.tensor(handle_of(kernel))
+        note_change()
 
     def load_quantized(self, shard_index: int, tensor: QuantizedTensor) -> None:
         """Keep a quantized checkpoint tensor for shard `shard_index` until `quantize_rows`."""

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.layers.changes import note_change
+
 
 class RMSNorm(nn.Module):
     """HF's RMSNorm: normalise in float32, cast back, then scale by the weight.
@@ -30,6 +32,7 @@ class RMSNorm(nn.Module):
         weight = self.weight
         on_cpu_bf16 = weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
         self.native = enabled and on_cpu_bf16
+        note_change()
 
     def with_residual(
         self, x: torch.Tensor, residual: torch.Tensor

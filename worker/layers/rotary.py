@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from worker.layers.changes import note_change
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
@@ -182,6 +184,7 @@ class RotaryEmbedding(nn.Module):
         cache = self.cos_cache
         on_cpu_bf16 = cache.dtype == torch.bfloat16 and cache.device.type == "cpu"
         self.native = enabled and on_cpu_bf16 and self.rotary_dim == self.head_dim
+        note_change()
 
     def rotate(self, x: torch.Tensor, num_heads: int, positions: torch.Tensor) -> torch.Tensor:
         """The first `num_heads` heads of x [T, heads, head_dim] rotated (in place on the

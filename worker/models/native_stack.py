@@ -18,6 +18,7 @@ from torch import nn
 
 from worker.layers import native
 from worker.layers.activation import SiluAndMul
+from worker.layers.changes import num_changes
 from worker.layers.context import AttentionMetadata, get_attention_metadata
 from worker.layers.linear import Linear
 from worker.layers.linear_kernels import NativeKernel
@@ -60,17 +61,15 @@ class LayerStack:
 
     def __init__(self) -> None:
         self._stack: NativeStack | None = None
-        self._key: tuple[int, ...] = ()
+        self._built_at = -1  # `num_changes()` when built
 
     def for_step(self, layers: nn.ModuleList, num_tokens: int) -> NativeStack | None:
         if not native.loaded() or torch.compiler.is_compiling():
             return None
         if not step_fits(get_attention_metadata(), num_tokens):
             return None
-        listed = list(layers)
-        key = stack_key(listed)
-        if key != self._key:
-            self._stack, self._key = build_stack(listed), key
+        if self._built_at != num_changes():
+            self._stack, self._built_at = build_stack(list(layers)), num_changes()
         return self._stack
 
 
@@ -82,20 +81,6 @@ def step_fits(meta: AttentionMetadata, num_tokens: int) -> bool:
         and meta.decode_block_tables is not None
         and meta.local is None
     )
-
-
-def stack_key(layers: list[Any]) -> tuple[int, ...]:
-    """What a built stack depends on: each layer's kernels, caches and native choices."""
-    key: list[int] = []
-    for layer in layers:
-        attn = layer.self_attn
-        key.append(id(attn.attn.k_cache))
-        key.append(attn.attn.native_rows + 2 * layer.input_layernorm.native)
-        key.append(id(attn._rotary[0]) + attn._rotary[0].native)
-        act = getattr(layer.mlp, "act", None)
-        key.append(bool(getattr(act, "native", False)))
-        key.extend(id(linear.kernel) for linear in _linears(layer))
-    return tuple(key)
 
 
 def build_stack(layers: list[Any]) -> NativeStack | None:
