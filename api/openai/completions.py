@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -56,7 +56,10 @@ async def complete(
     try:
         with trace.enqueue():
             await services.jobs.submit(payload, url, getattr(request.state, "quota", None))
-        first = await _race(request, _first_content(sub, settings.first_event_timeout_s), deadline)
+        served = _serving(services, payload.model)
+        first = await _race(
+            request, _first_content(sub, settings.first_event_timeout_s, served), deadline
+        )
         trace.relay_started()
         if isinstance(first[-1], ErrorEvent):
             raise _job_error(first[-1], payload.id)
@@ -117,15 +120,33 @@ def _job_error(event: ErrorEvent, job_id: str) -> APIError:
     return error
 
 
-async def _first_content(sub: Subscription, first_event_timeout_s: float) -> list[StreamEvent]:
-    """Events up to the first delta/done/error (`started`/`restart` come before it)."""
+async def _first_content(
+    sub: Subscription, first_event_timeout_s: float, served: Callable[[], Awaitable[bool]]
+) -> list[StreamEvent]:
+    """Events up to the first delta/done/error (`started`/`restart` come before it).
+
+    A job still queued after `first_event_timeout_s` fails only where no live worker serves
+    its model: behind a long queue (64 RAG prompts on one worker) it waits its turn, up to
+    the request's own deadline."""
     events: list[StreamEvent] = []
-    timeout: float | None = first_event_timeout_s
-    while not events or events[-1].type not in _CONTENT_EVENTS:
-        _, event = await sub.next(timeout)
-        events.append(event)
-        timeout = None
+    while not events:
+        try:
+            events.append((await sub.next(first_event_timeout_s))[1])
+        except TimeoutError:
+            if not await served():
+                raise
+    while events[-1].type not in _CONTENT_EVENTS:
+        events.append((await sub.next(None))[1])
     return events
+
+
+def _serving(services: Services, model: str) -> Callable[[], Awaitable[bool]]:
+    """Whether a live worker that takes new jobs serves `model` now."""
+
+    async def served() -> bool:
+        return model in await services.workers.models()
+
+    return served
 
 
 async def _collect(sub: Subscription, acc: Accumulator) -> None:
