@@ -91,6 +91,11 @@ def set_attention_metadata(metadata: AttentionMetadata | None) -> None:
     _CURRENT = metadata
 
 
+def current_attention_metadata() -> AttentionMetadata | None:
+    """This step's metadata, or None outside a paged step (a dense embedding forward)."""
+    return _CURRENT
+
+
 def get_attention_metadata() -> AttentionMetadata:
     if _CURRENT is None:
         raise RuntimeError("no attention metadata set for this step")

@@ -19,7 +19,11 @@ from torch import nn
 from worker.layers import native
 from worker.layers.activation import SiluAndMul
 from worker.layers.changes import num_changes
-from worker.layers.context import AttentionMetadata, get_attention_metadata
+from worker.layers.context import (
+    AttentionMetadata,
+    current_attention_metadata,
+    get_attention_metadata,
+)
 from worker.layers.linear import Linear
 from worker.layers.linear_kernels import NativeKernel
 from worker.layers.quant import Int4Kernel
@@ -66,7 +70,8 @@ class LayerStack:
     def for_step(self, layers: nn.ModuleList, num_tokens: int) -> NativeStack | None:
         if not native.loaded() or torch.compiler.is_compiling():
             return None
-        if not step_fits(get_attention_metadata(), num_tokens):
+        meta = current_attention_metadata()
+        if meta is None or not step_fits(meta, num_tokens):
             return None
         if self._built_at != num_changes():
             self._stack, self._built_at = build_stack(list(layers)), num_changes()
