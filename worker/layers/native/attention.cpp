@@ -24,6 +24,7 @@
 
 #include <immintrin.h>
 
+#include "gemm.h"
 #include "vec_bf16.h"
 
 #include <cmath>
@@ -276,8 +277,8 @@ AttendFn<E> attend_for(int64_t head_dim) {
   }
 }
 
-// Task t's row: rows taken alternately from both ends, so that threads splitting the tasks
-// into contiguous ranges get as many long rows (the end of a prefill) as short ones.
+// Task t's row: rows taken alternately from both ends, so that a prefill's long rows (its
+// end) are dealt out early rather than left for last.
 inline int64_t balanced_row(int64_t t, int64_t rows) { return t % 2 ? rows - 1 - t / 2 : t / 2; }
 
 template <class E>
@@ -296,9 +297,10 @@ void attend_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   auto* op = static_cast<typename E::T*>(out.data_ptr());
   const int G = static_cast<int>(H / Hkv);
   const int64_t head_cache = k_cache.size(1) * bs * D;
-  at::parallel_for(0, R * Hkv, 1, [&](int64_t begin, int64_t end) {
+  parallel_chunks(R * Hkv, Hkv, [&](const auto& take) {  // a row's heads together
     std::vector<float> scores;
     Positions positions;
+    for (int64_t begin, end; take(begin, end);)
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = balanced_row(task / Hkv, R), h = task % Hkv;
       const Cache c{kp + h * head_cache, vp + h * head_cache, tp + r * max_blocks, bs};

@@ -7,9 +7,12 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include <immintrin.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 
@@ -17,6 +20,32 @@ namespace ladle {
 
 constexpr int64_t kRows = 16;  // output columns per weight block: one zmm of float32 sums
 constexpr int64_t kMaxM = 8;   // rows of x per pass over a block (register-resident sums)
+
+// Items [0, n) dealt to the threads as they come free, `chunk` at a time, from one shared
+// counter: on a shared machine a thread that loses its core for a while no longer holds the
+// others up with a fixed share of the work. Which thread computes an item never changes it.
+// `f(take)` runs once per thread (its state lives across its chunks); `take(begin, end)`
+// hands it the next chunk, false when none is left.
+template <class F>
+void parallel_chunks(int64_t n, int64_t chunk, const F& f) {
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (n + chunk - 1) / chunk);
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    const auto take = [&](int64_t& begin, int64_t& end) {
+      begin = next.fetch_add(chunk);
+      end = std::min(begin + chunk, n);
+      return begin < n;
+    };
+    f(take);
+  });
+}
+
+template <class F>
+void parallel_items(int64_t n, int64_t chunk, const F& f) {
+  parallel_chunks(n, chunk, [&](const auto& take) {
+    for (int64_t begin, end; take(begin, end);) f(begin, end);
+  });
+}
 
 // The bias as float32 (undefined where there is none), checked against N outputs.
 inline at::Tensor float_bias(const c10::optional<at::Tensor>& bias, int64_t n) {

@@ -116,7 +116,7 @@ void gemv(const uint16_t* x, const uint16_t* packed, const float* bias, uint16_t
           int64_t K) {
   constexpr int64_t kGroup = 4;
   const int64_t pairs = K / 2, blocks = N / kRows, groups = (blocks + kGroup - 1) / kGroup;
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+  parallel_items(groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       const int64_t b0 = g * kGroup;
       const uint16_t* block = packed + b0 * pairs * 2 * kRows;
@@ -136,7 +136,7 @@ void gemm(const uint16_t* x, const uint16_t* packed, const float* bias, uint16_t
           int64_t N, int64_t K) {
   const int64_t pairs = K / 2;
   const int64_t blocks = N / kRows;
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+  parallel_items(blocks, 4, [&](int64_t begin, int64_t end) {
     alignas(64) float sums[kMaxM * kRows];
     for (int64_t b = begin; b < end; ++b) {
       const uint16_t* block = packed + b * pairs * 2 * kRows;
@@ -224,7 +224,8 @@ void strip_gemm(const uint16_t* x, const uint16_t* packed, const float* bias, ui
   // the next strip's lines, spread over every pass of this one
   const int64_t lines = (kStripBlocks * block_elems * 2 / 64 + passes * (pairs / kSums) - 1) /
                         std::max<int64_t>(1, passes * (pairs / kSums));
-  at::parallel_for(0, strips, 1, [&](int64_t begin, int64_t end) {
+  // two strips at a time: the second's weights are the ones the first prefetches
+  parallel_items(strips, 2, [&](int64_t begin, int64_t end) {
     alignas(64) float sums[kStripRows * kStripBlocks * kRows];
     for (int64_t s = begin; s < end; ++s) {
       const uint16_t* strip = packed + s * kStripBlocks * block_elems;

@@ -141,7 +141,7 @@ void gemv_int4(const uint16_t* x, const uint8_t* packed, const float* bias, uint
   const int64_t block_bytes = groups * kGroupBytes;
   const std::vector<float> xsum = group_sums(x, 1, K);
   const int64_t sets = (blocks + kSet - 1) / kSet;
-  at::parallel_for(0, sets, 1, [&](int64_t begin, int64_t end) {
+  parallel_items(sets, 1, [&](int64_t begin, int64_t end) {
     for (int64_t set = begin; set < end; ++set) {
       const int64_t b0 = set * kSet;
       const float* b = bias ? bias + b0 * kRows : nullptr;
@@ -161,7 +161,7 @@ void gemm_rows(const uint16_t* x, const uint8_t* packed, const float* bias, uint
   const int64_t groups = K / kGroup, blocks = N / kRows;
   const int64_t block_bytes = groups * kGroupBytes;
   const std::vector<float> xsum = group_sums(x, M, K);
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+  parallel_items(blocks, 4, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b)
       for (int64_t m0 = 0; m0 < M; m0 += kMaxM)
         block_rows_any(M - m0 < kMaxM ? M - m0 : kMaxM, x + m0 * K, K,
