@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from shared.contracts import ErrorEvent, StreamEvent, decode_event
+from shared.contracts import TERMINAL_EVENT_TYPES, ErrorEvent, StreamEvent, decode_event
 from shared.keys import Keys
 from shared.relay_shards import StreamShards
 from shared.retry import FOREVER, Backoff, retry
@@ -59,6 +59,7 @@ class Subscription:
     max_buffered: int = 256
     on_resume: Callable[[], None] = lambda: None
     is_paused: bool = False
+    is_ended: bool = False  # its job's last event (done, error) is delivered: nothing follows
     queue: asyncio.Queue[tuple[str, StreamEvent]] = field(default_factory=asyncio.Queue)
 
     async def next(self, timeout: float | None) -> tuple[str, StreamEvent]:
@@ -84,6 +85,7 @@ class Subscription:
         self.last_id = entry_id
         if event is not None:
             self.queue.put_nowait((entry_id, event))
+            self.is_ended = event.type in TERMINAL_EVENT_TYPES
         return True
 
 
@@ -156,10 +158,11 @@ class Relay:
         return sum(sub.is_paused for subs in self._subs.values() for sub in subs)
 
     def _positions(self, group: int) -> dict[str, str]:
-        """Where to read each of a group's streams from: the earliest reader not paused."""
+        """Where to read each of a group's streams from: the earliest reader not paused and
+        not ended (a read of an ended stream would only block a read slot for `block_ms`)."""
         positions = {}
         for stream in self._streams_by_group[group]:
-            active = [s for s in self._subs.get(stream, ()) if not s.is_paused]
+            active = [s for s in self._subs.get(stream, ()) if not s.is_paused and not s.is_ended]
             if active:
                 positions[stream] = min((s.last_id for s in active), key=parse_entry_id)
         return positions

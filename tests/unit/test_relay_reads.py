@@ -8,7 +8,7 @@ import asyncio
 import fakeredis
 
 from api.jobs.relay import Relay
-from shared.contracts import DeltaEvent, encode_event
+from shared.contracts import DeltaEvent, ErrorEvent, encode_event
 from shared.keys import Keys
 
 KEYS = Keys("t")
@@ -47,4 +47,19 @@ async def test_an_entry_read_by_two_reads_is_delivered_once() -> None:
         assert (await sub.next(timeout=10))[0] == ids[0].decode()
     relay._deliver([(KEYS.stream("job-1").encode(), [(ids[0], {b"data": b"{}"})])])
     assert first.queue.empty() and second.queue.empty()
+    await relay.stop()
+
+
+async def test_a_stream_is_not_read_again_after_its_last_event() -> None:
+    redis = fakeredis.FakeAsyncRedis()
+    relay = Relay(redis, KEYS, block_ms=LONG_BLOCK_MS)
+    sub = relay.subscribe("job-1")
+    last = ErrorEvent(status=500, error_type="server_error", message="failed")
+    for event in (EVENT, last):
+        await redis.xadd(KEYS.stream("job-1"), {"data": encode_event(event)})
+    assert [(await sub.next(timeout=10))[1] for _ in range(2)] == [EVENT, last]
+    async with asyncio.timeout(10):  # the read that brought them ends; no other begins
+        while relay._reads[0]:
+            await asyncio.sleep(0.01)
+    assert sub.is_ended and relay._positions(0) == {}
     await relay.stop()
