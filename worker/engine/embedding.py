@@ -25,6 +25,7 @@ from worker.engine.config import EngineConfig
 from worker.engine.engine import EngineStats
 from worker.engine.executor import configure_threads
 from worker.engine.pooling import finish_vector, pool
+from worker.engine.threads import ThreadChooser
 from worker.layers.dense_attention import build_dense_batch, dense_batch
 from worker.models.pooling_loader import LoadedPoolingModel, load_pooling_model
 
@@ -143,7 +144,11 @@ class EmbeddingEngine:
     """Queues inputs and runs them a token-budgeted batch per step (one thread owns it)."""
 
     def __init__(
-        self, loaded: LoadedPoolingModel, max_num_batched_tokens: int, max_num_seqs: int
+        self,
+        loaded: LoadedPoolingModel,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        threads: ThreadChooser | None = None,
     ) -> None:
         self.loaded = loaded
         self.runner = EmbeddingRunner(loaded)
@@ -158,6 +163,8 @@ class EmbeddingEngine:
         self.executor = PoolingExecutorInfo(
             str(loaded.device), str(loaded.dtype).removeprefix("torch.")
         )
+        # None: every step on the threads torch has (the offline Embedder, a GPU)
+        self.threads = threads
 
     def model_info(self) -> dict[str, Any]:
         """The worker record's fields for this model: its task and vector sizes."""
@@ -233,7 +240,7 @@ class EmbeddingEngine:
         chosen = self.schedule()
         if not chosen:
             return []
-        outputs = self.runner.run(chosen)
+        outputs = self._run(chosen)
         for request in chosen:
             del self.waiting[request.key]
         self.counters.num_steps += 1
@@ -241,6 +248,24 @@ class EmbeddingEngine:
         self.counters.num_tokens += sum(o.num_tokens for o in outputs)
         self.counters.last_step_inputs = len(chosen)
         self.counters.last_step_tokens = sum(o.num_tokens for o in outputs)
+        return outputs
+
+    def _run(self, chosen: list[EmbeddingRequest]) -> list[EmbeddingOutput]:
+        """One forward on the thread count the chooser picks for a step of this size: on
+        cores another process is using, a 2-thread step waits at every OpenMP barrier for a
+        thread that is not running (docs/benchmarks.md, "Embeddings at batch 1")."""
+        if self.threads is None:
+            return self.runner.run(chosen)
+        num_tokens = sum(len(r.token_ids) for r in chosen)
+        kind = f"tokens<={token_bucket(num_tokens)}"
+        threads = self.threads.pick(kind)
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        started = time.perf_counter()
+        outputs = self.runner.run(chosen)
+        # scaled to a full bucket: steps of one kind differ in size up to 4x
+        seconds = (time.perf_counter() - started) * token_bucket(num_tokens) / num_tokens
+        self.threads.record(kind, threads, seconds)
         return outputs
 
     def stats(self) -> EngineStats:
@@ -276,13 +301,23 @@ def check_dimensions(loaded: LoadedPoolingModel, dimensions: int | None) -> None
         raise InvalidRequestError(f"dimensions must be one of: {sizes}", param="dimensions")
 
 
+def token_bucket(num_tokens: int) -> int:
+    """Steps are compared with steps of like size: 32, 128, 512, ... tokens (a power of 4)."""
+    bucket = 32
+    while bucket < num_tokens:
+        bucket *= 4
+    return bucket
+
+
 def _order_key(request: EmbeddingRequest) -> tuple[int, int, int]:
     return LANE_ORDER.get(request.lane, 1), request.priority, request.arrival
 
 
 def build_embedding_engine(config: EngineConfig) -> EmbeddingEngine:
-    """The worker's engine for an embedding model or cross-encoder, from its settings."""
+    """The worker's engine for an embedding model or cross-encoder, from its settings: on CPU
+    each size of step runs on 1 thread or all of them, whichever its recent steps ran faster."""
     configure_threads(config.num_threads)
+    num_threads = torch.get_num_threads()
     loaded = load_pooling_model(
         config.model,
         dtype=config.dtype,
@@ -290,4 +325,9 @@ def build_embedding_engine(config: EngineConfig) -> EmbeddingEngine:
         cache_dir=config.cache_dir,
         max_model_len=config.max_model_len,
     )
-    return EmbeddingEngine(loaded, config.max_num_batched_tokens, config.max_num_seqs)
+    threads = None
+    if loaded.device.type == "cpu" and num_threads > 1:
+        threads = ThreadChooser([1, num_threads], lambda _kind: num_threads)
+    return EmbeddingEngine(
+        loaded, config.max_num_batched_tokens, config.max_num_seqs, threads=threads
+    )
