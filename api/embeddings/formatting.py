@@ -8,7 +8,8 @@ import time
 from typing import Any
 
 from api.embeddings.protocol import RerankRequest
-from shared.contracts import PoolingResult, Usage
+from api.jobs.routes import POOLED_RESPONSES
+from shared.contracts import JobPayload, JobResult, PoolingResult, Usage
 
 
 def vector_bytes(result: PoolingResult) -> list[bytes]:
@@ -74,3 +75,32 @@ def score_response(job_id: str, model: str, result: PoolingResult, usage: Usage)
         "data": data,
         "usage": _usage(usage),
     }
+
+
+def _job_embeddings(payload: JobPayload, result: JobResult) -> dict[str, Any]:
+    encoding = payload.pooling.encoding_format if payload.pooling else "float"
+    pooled = result.pooling or PoolingResult()
+    return embedding_response(payload.model, pooled, result.usage, encoding)
+
+
+def _job_rerank(payload: JobPayload, result: JobResult) -> dict[str, Any]:
+    """Every document by relevance, best first (the request's top_n and texts are not kept)."""
+    pooled = result.pooling or PoolingResult()
+    scores = pooled.scores or []
+    order = sorted(range(len(scores)), key=lambda i: -scores[i])
+    return {
+        "id": payload.id,
+        "model": payload.model,
+        "scoring": pooled.scoring,
+        "usage": _usage(result.usage),
+        "results": [{"index": i, "relevance_score": scores[i]} for i in order],
+    }
+
+
+def _job_score(payload: JobPayload, result: JobResult) -> dict[str, Any]:
+    pooled = result.pooling or PoolingResult()
+    return score_response(payload.id, payload.model, pooled, result.usage)
+
+
+# `GET /v1/jobs/{id}` answers a finished pooling job with its endpoint's response
+POOLED_RESPONSES.update(embeddings=_job_embeddings, rerank=_job_rerank, score=_job_score)

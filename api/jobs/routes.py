@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Depends, Header, Query, Request
@@ -37,6 +37,7 @@ from shared.contracts import (
     TERMINAL_EVENT_TYPES,
     JobPayload,
     JobRecord,
+    JobResult,
     encode_event,
 )
 from shared.logging import job_id_var
@@ -75,12 +76,19 @@ def job_summary(record: JobRecord) -> dict[str, Any]:
     return obj
 
 
+# endpoint -> its finished job's response, for endpoints answered without generated text
+# (the embeddings room registers /v1/embeddings, /v1/rerank and /v1/score at import)
+POOLED_RESPONSES: dict[str, Callable[[JobPayload, JobResult], dict[str, Any]]] = {}
+
+
 async def job_object(services: Services, record: JobRecord) -> dict[str, Any]:
     """`GET /v1/jobs/{id}`: the record, with the OpenAI response or error when final."""
     obj = job_summary(record)
     if record.result is not None:
         payload = await services.jobs.payload(record.id)
-        if payload is not None:
+        if payload is not None and payload.endpoint in POOLED_RESPONSES:
+            obj["response"] = POOLED_RESPONSES[payload.endpoint](payload, record.result)
+        elif payload is not None:
             ctx = await response_context(services, payload, include_usage=False)
             obj["response"] = build_response(ctx, record.result.choices, record.result.usage)
     return obj

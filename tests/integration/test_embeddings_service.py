@@ -114,6 +114,21 @@ def test_rerank_round_trip_on_a_cross_encoder(svc: Service, models: dict[str, Pa
             float(expected[result["index"]]), abs=1e-5
         )
         assert result["document"]["text"] == documents[result["index"]]
+    with svc.client() as client:  # the job API answers with the endpoint's own response
+        job = client.get(f"/v1/jobs/{response.headers['X-Job-Id']}").json()
+    assert job["status"] == "completed"
+    assert [r["index"] for r in job["response"]["results"]] == list(
+        sorted(range(len(documents)), key=lambda i: -expected[i])
+    )
+
+
+def test_an_embedding_job_reads_back_as_its_vectors(svc: Service) -> None:
+    with svc.client() as client:
+        response = client.post("/v1/embeddings", json={"model": "embed", "input": TEXTS[:2]})
+        assert response.status_code == 200, response.text
+        job = client.get(f"/v1/jobs/{response.headers['X-Job-Id']}").json()
+    assert job["status"] == "completed" and job["response"]["object"] == "list"
+    assert job["response"]["data"] == response.json()["data"]
 
 
 def test_rerank_and_score_on_an_embedding_model_use_cosine(
