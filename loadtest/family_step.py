@@ -1,8 +1,8 @@
 """bf16 decode time per weight byte of each family, and a MoE step against transformers'.
 
     .venv/bin/python -m loadtest.family_step [--families llama gemma3 moe] [--batch 1 16]
-        [--steps 20] [--rounds 3] [--context 128] [--threads 2] [--ops] [--workdir DIR]
-        [--json OUT]
+        [--steps 20] [--rounds 3] [--context 128] [--threads 2] [--ops] [--clock C]
+        [--workdir DIR] [--json OUT]
 
 Random-weight models with the shapes of real ones (saved once under `--workdir`):
 - llama: SmolLM2-135M (30 layers, hidden 576, vocab 49152);
@@ -109,7 +109,7 @@ def rounds(engines: dict[str, LLMEngine], args: argparse.Namespace) -> dict[str,
         for name, engine in engines.items():
             for batch in args.batch:
                 times[name][batch].append(
-                    measure(engine, batch, args.context, args.steps)["forward_ms"]
+                    measure(engine, batch, args.context, args.steps)[args.clock]
                 )
     results: dict[str, Any] = {}
     for name, engine in engines.items():
@@ -190,6 +190,12 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--ops", action="store_true", help="torch.profiler op table per family")
+    parser.add_argument(
+        "--clock",
+        choices=["forward_ms", "forward_cpu_ms"],
+        default="forward_ms",
+        help="wall time, or the process's CPU time (steadier on a shared machine at --threads 1)",
+    )
     parser.add_argument("--workdir", default="/tmp/ladle-family-step")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
