@@ -1,7 +1,8 @@
 """bf16 decode time per weight byte of each family, and a MoE step against transformers'.
 
     .venv/bin/python -m loadtest.family_step [--families llama gemma3 moe] [--batch 1 16]
-        [--steps 20] [--context 128] [--threads 2] [--workdir DIR] [--json OUT]
+        [--steps 20] [--rounds 3] [--context 128] [--threads 2] [--ops] [--clock C]
+        [--workdir DIR] [--json OUT]
 
 Random-weight models with the shapes of real ones (saved once under `--workdir`):
 - llama: SmolLM2-135M (30 layers, hidden 576, vocab 49152);
@@ -9,12 +10,14 @@ Random-weight models with the shapes of real ones (saved once under `--workdir`)
 - moe: OLMoE-1B-7B scaled down (6 layers, hidden 1024, 64 experts, top-8, expert size 512,
   vocab 50304).
 
-For each, in one process and one run: the engine's forward time per decode step
+All engines are built first; then, in rounds, each family's forward time per decode step
 (`loadtest.profile_step.measure`, bf16, native kernels) at each batch size, and at B=1 the
 milliseconds per MB of weights one token reads (a MoE counts its *active* experts: top_k of
 num_experts), relative to Llama's. For the MoE, the same decode step through transformers'
 eager model (its MoE loops over the hit experts) with a KV cache of the same context, and one
-MoE block alone (ours: tokens grouped by expert, one matmul per active expert).
+MoE block alone (ours: tokens grouped by expert, one matmul per active expert). Every family
+decodes on `--threads` threads (pinned: the kernel plan does not choose). `--ops` adds each
+family's torch.profiler table at the first batch size (`loadtest.profile_step --ops`).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import Any
 import torch
 
 from loadtest.bandwidth_bound import weight_bytes_per_token
-from loadtest.profile_step import measure
+from loadtest.profile_step import measure, op_table
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
 from worker.layers.moe import SparseMoE
@@ -96,18 +99,39 @@ def engine_for(path: Path, args: argparse.Namespace) -> LLMEngine:
     return LLMEngine(config)
 
 
-def ours(path: Path, args: argparse.Namespace) -> dict[str, Any]:
-    engine = engine_for(path, args)
-    model = engine.executor.runner.model
-    measure(engine, 2, args.context, 3)  # warm-up
-    result: dict[str, Any] = {"kernels": engine.executor.kernels, "bytes": active_bytes(model)}
-    for batch in args.batch:
-        result[f"forward_ms_b{batch}"] = measure(engine, batch, args.context, args.steps)[
-            "forward_ms"
-        ]
-    result["ms_per_mb"] = result[f"forward_ms_b{args.batch[0]}"] / (result["bytes"] / 1e6)
-    result["model"] = model
-    return result
+def rounds(engines: dict[str, LLMEngine], args: argparse.Namespace) -> dict[str, Any]:
+    """Forward ms per family and batch, the families alternating round by round, so that a
+    change of the machine's load falls on all of them alike; ratios are taken per round."""
+    times: dict[str, dict[int, list[float]]] = {n: {b: [] for b in args.batch} for n in engines}
+    for engine in engines.values():
+        measure(engine, 2, args.context, 3)  # warm-up
+    for _ in range(args.rounds):
+        for name, engine in engines.items():
+            for batch in args.batch:
+                times[name][batch].append(
+                    measure(engine, batch, args.context, args.steps)[args.clock]
+                )
+    results: dict[str, Any] = {}
+    for name, engine in engines.items():
+        model = engine.executor.runner.model
+        result: dict[str, Any] = {"kernels": engine.executor.kernels, "bytes": active_bytes(model)}
+        for batch in args.batch:
+            result[f"forward_ms_b{batch}"] = statistics.median(times[name][batch])
+            result[f"rounds_ms_b{batch}"] = times[name][batch]
+        first = times[name][args.batch[0]]
+        result["ms_per_mb"] = statistics.median(first) / (result["bytes"] / 1e6)
+        results[name] = result
+    if "llama" in engines:
+        base = times["llama"][args.batch[0]]
+        mb = {name: results[name]["bytes"] / 1e6 for name in engines}
+        for name in engines:
+            per_round = [
+                t / mb[name] / (b / mb["llama"])
+                for t, b in zip(times[name][args.batch[0]], base, strict=True)
+            ]
+            results[name]["vs_llama_per_round"] = per_round
+            results[name]["vs_llama"] = statistics.median(per_round)
+    return results
 
 
 def _median_ms(fn: Any, repeats: int) -> float:
@@ -162,28 +186,40 @@ def main() -> None:
     parser.add_argument("--families", nargs="+", default=["llama", "gemma3", "moe"])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per family")
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--ops", action="store_true", help="torch.profiler op table per family")
+    parser.add_argument(
+        "--clock",
+        choices=["forward_ms", "forward_cpu_ms"],
+        default="forward_ms",
+        help="wall time, or the process's CPU time (steadier on a shared machine at --threads 1)",
+    )
     parser.add_argument("--workdir", default="/tmp/ladle-family-step")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     configs, report = family_configs(), {"load_before": os.getloadavg()}
+    paths = {name: model_dir(name, configs[name], Path(args.workdir)) for name in args.families}
+    engines = {name: engine_for(path, args) for name, path in paths.items()}
+    report |= rounds(engines, args)
+    for name, engine in engines.items():
+        print(name, json.dumps(report[name]), flush=True)
+        if args.ops:
+            print(op_table(engine, args.batch[0], args.context), flush=True)
+    if "moe" in engines:
+        model = engines["moe"].executor.runner.model
+        for batch in args.batch:
+            report["moe"][f"transformers_step_ms_b{batch}"] = transformers_step(
+                paths["moe"], batch, args
+            )
+            report["moe"][f"block_b{batch}"] = moe_block(model, paths["moe"], batch)
+        print("moe vs transformers", json.dumps(report["moe"]), flush=True)
     for name in args.families:
-        path = model_dir(name, configs[name], Path(args.workdir))
-        result = ours(path, args)
-        model = result.pop("model")
-        if name == "moe":
-            for batch in args.batch:
-                result[f"transformers_step_ms_b{batch}"] = transformers_step(path, batch, args)
-                result[f"block_b{batch}"] = moe_block(model, path, batch)
-        report[name] = result
-        print(name, json.dumps(result), flush=True)
-    if "llama" in report:
-        base = report["llama"]["ms_per_mb"]
-        for name in args.families:
-            ratio = report[name]["ms_per_mb"] / base
-            print(f"{name}: {report[name]['ms_per_mb']:.4f} ms/MB = {ratio:.2f}x llama's")
+        ratio = report[name].get("vs_llama")
+        versus = f", {ratio:.2f}x llama's (median of per-round ratios)" if ratio else ""
+        print(f"{name}: {report[name]['ms_per_mb']:.4f} ms/MB at B={args.batch[0]}{versus}")
     report["load_after"] = os.getloadavg()
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))

@@ -85,6 +85,8 @@ async def workers(services: ServicesDep) -> dict:
             "embedding_size": w.embedding_size,
             "device": w.device,
             "dtype": w.dtype,
+            "architecture": w.architecture,
+            "weight_precision": w.weight_precision,
             "deterministic": w.deterministic,
             "deterministic_reason": w.deterministic_reason,
             "compiled": w.compiled,

@@ -203,3 +203,22 @@ def test_eager_float32_small_ops_are_batch_invariant():
         return apply_rotary(heads, cos.expand(x.shape[0], 1, 64), sin.expand(x.shape[0], 1, 64))
 
     assert_rows_invariant(rotate, _rand(576, seed=31, dtype=torch.float32), filler)
+
+
+def test_moe_block_is_batch_invariant():
+    from worker.layers.linear import Linear
+    from worker.layers.moe import MoESpec, SparseMoE
+
+    torch.manual_seed(0)
+    moe = SparseMoE(
+        64, MoESpec(num_experts=16, top_k=4, intermediate_size=32, normalize_top_k=False)
+    )
+    moe = moe.bfloat16()
+    for module in moe.modules():  # the router too: 16 outputs, the native kernel's minimum
+        if isinstance(module, Linear):
+            module.weight.data.normal_(0, 0.1)
+            kernel = build_kernel("native", module.weight, None)
+            assert kernel is not None, tuple(module.weight.shape)
+            module.set_kernel(kernel)
+    with torch.inference_mode():
+        assert_rows_invariant(moe, _rand(64, seed=5), _rand(256, 64, seed=6))

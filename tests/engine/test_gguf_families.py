@@ -23,6 +23,7 @@ FAMILIES = {
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",  # a config transformers' GGUF reader does not know
 }
 
 

@@ -19,6 +19,7 @@ GGUF_ARCH = {
     "phi3": "phi3",
     "qwen2_moe": "qwen2moe",
     "qwen3_moe": "qwen3moe",
+    "olmoe": "olmoe",
 }
 _BLOCK = {
     "self_attn.q_proj": "attn_q",
@@ -105,6 +106,8 @@ def _metadata(writer: Any, config: Any) -> None:
     if experts:
         writer.add_expert_count(experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
+    if getattr(config, "clip_qkv", None):
+        writer.add_clamp_kqv(config.clip_qkv)
     if getattr(config, "moe_intermediate_size", None):
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     if getattr(config, "shared_expert_intermediate_size", None):

@@ -93,6 +93,14 @@ def test_prefix_hit_takes_the_window_of_local_blocks(hbm):
     assert all_free(hbm)
 
 
+def test_cached_hashes_are_the_full_pools(hbm):
+    request = make_request("a", list(range(10)))
+    hbm.allocate_prefix(request)
+    step(hbm, request, 10)
+    assert len(hbm.cached_hashes()) == 2  # two full blocks of 4
+    assert hbm.cached_hashes() == hbm.full.cached_hashes()
+
+
 def test_prefix_hit_shrinks_to_what_the_local_pool_still_holds(hbm):
     prompt = list(range(14))
     first = make_request("a", prompt)

@@ -66,18 +66,33 @@ class SparseMoE(nn.Module):
     def _experts(
         self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
     ) -> torch.Tensor:
+        num_tokens, top_k = expert_ids.shape
         flat_ids = expert_ids.view(-1)
         order = flat_ids.argsort(stable=True)  # (token, slot) pairs grouped by expert
         counts = torch.bincount(flat_ids, minlength=self.spec.num_experts).tolist()
-        tokens = order // self.spec.top_k
-        flat_weights = weights.view(-1)
-        out = torch.zeros_like(x)
+        rows = x[order // top_k]  # one gather, each expert's tokens contiguous
+        ys = torch.empty_like(rows)
         start = 0
         for expert, count in enumerate(counts):
-            if not count:
-                continue
-            picked, rows = order[start : start + count], tokens[start : start + count]
-            start += count
-            y = self.experts[expert](x[rows]) * flat_weights[picked, None]
-            out.index_add_(0, rows, y)
+            if count:
+                ys[start : start + count] = self.experts[expert](rows[start : start + count])
+                start += count
+        ys.mul_(weights.view(-1)[order, None])
+        return self._sum_in_expert_order(ys, order, expert_ids)
+
+    @staticmethod
+    def _sum_in_expert_order(
+        ys: torch.Tensor, order: torch.Tensor, expert_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """Each token's weighted expert outputs summed one by one in ascending expert order,
+        as HF's loop of `index_add_` sums them (bf16 `index_add_` runs a slow scatter)."""
+        num_tokens, top_k = expert_ids.shape
+        position = torch.empty_like(order)
+        position[order] = torch.arange(order.numel())  # pair -> its row of ys
+        slots = expert_ids.argsort(dim=1, stable=True)  # each token's experts, ascending
+        pairs = torch.arange(num_tokens)[:, None] * top_k + slots
+        per_token = ys[position[pairs]]  # [T, k, H]
+        out = per_token[:, 0]
+        for slot in range(1, top_k):
+            out = out + per_token[:, slot]
         return out

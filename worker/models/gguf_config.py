@@ -4,6 +4,8 @@ transformers reads the common keys; llama.cpp's converter also writes these, whi
 families need: a `llama` file with experts is Mixtral; Qwen2/3-MoE's expert sizes (and the
 layers that kept a dense MLP, seen from their tensors); Qwen3-MoE's normalised top-k (always
 on in llama.cpp); Phi-3's partial rotary, sliding window and LongRoPE factors (tensors).
+For an arch transformers cannot read at all (OLMoE's `olmoe`), `own_config` reads the whole
+config from the metadata.
 """
 
 from __future__ import annotations
@@ -75,6 +77,48 @@ def _phi3(config: dict, reader: Any) -> None:
         "short_factor": _tensor(reader, "rope_factors_short.weight"),
     }
     config.pop("rope_scaling", None)
+
+
+# GGUF archs whose config transformers' reader refuses: metadata key (after "<arch>.") -> ours
+_OWN_CONFIG_KEYS = {
+    "olmoe": {
+        "context_length": "max_position_embeddings",
+        "embedding_length": "hidden_size",
+        "block_count": "num_hidden_layers",
+        "feed_forward_length": "intermediate_size",
+        "attention.head_count": "num_attention_heads",
+        "attention.head_count_kv": "num_key_value_heads",
+        "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+        "attention.clamp_kqv": "clip_qkv",
+        "expert_count": "num_experts",
+        "expert_used_count": "num_experts_per_tok",
+    },
+}
+_TOKEN_IDS = {"bos_token_id": "bos", "eos_token_id": "eos", "pad_token_id": "padding"}
+
+
+def own_config(reader: Any) -> dict | None:
+    """transformers' config dict for a file of an arch in `_OWN_CONFIG_KEYS`, else None."""
+    arch = str(_field(reader, "general.architecture"))
+    if arch not in _OWN_CONFIG_KEYS:
+        return None
+    config: dict[str, Any] = {"model_type": arch}
+    for key, name in _OWN_CONFIG_KEYS[arch].items():
+        value = _field(reader, f"{arch}.{key}")
+        if isinstance(value, float):  # stored as float32: 1e-6, not 9.99999997e-07
+            value = float(str(np.float32(value)))
+        if value is not None:
+            config[name] = value
+    for name, key in _TOKEN_IDS.items():
+        value = _field(reader, f"tokenizer.ggml.{key}_token_id")
+        if value is not None:
+            config[name] = int(value)
+    theta = _field(reader, f"{arch}.rope.freq_base")
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": float(theta or 10000.0)}
+    names = {tensor.name: tensor for tensor in reader.tensors}
+    config["vocab_size"] = int(names["token_embd.weight"].shape[1])  # GGUF shapes: [in, out]
+    config["tie_word_embeddings"] = "output.weight" not in names
+    return config
 
 
 def complete_config(config: dict, reader: Any) -> dict:

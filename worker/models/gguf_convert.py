@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import save_file
 
 from worker.models.errors import ModelConfigError
-from worker.models.gguf_config import complete_config
+from worker.models.gguf_config import complete_config, own_config
 from worker.models.gguf_names import CONFIG_TENSORS, hf_name, is_expert_stack
 from worker.models.registry import MODEL_TYPES
 
@@ -42,6 +42,7 @@ SUPPORTED_GGUF_ARCHS = (
     "mixtral",
     "qwen2_moe",
     "qwen3_moe",
+    "olmoe",
 )
 # Architectures whose Q/K rows llama.cpp permuted at conversion.
 PERMUTED_ARCHS = ("llama", "mistral", "mixtral")
@@ -125,17 +126,30 @@ def gguf_tensors(path: Path, config: dict) -> Iterator[tuple[str, np.ndarray]]:
         yield name, float_tensor(name, piece, config["model_type"])
 
 
-def _write_config(gguf_path: Path, out: Path) -> dict:
-    from gguf import GGUFReader
+def _read_config(gguf_path: Path, reader: Any) -> dict:
+    """The file's config as transformers reads it, or as we do where transformers cannot."""
     from transformers import AutoConfig
 
     try:
         config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     except (ValueError, KeyError) as exc:  # transformers cannot read this architecture
+        values = own_config(reader)
+        if values is not None:
+            return values
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ModelConfigError(f"cannot read GGUF {gguf_path.name}: {first_line}") from exc
-    values = complete_config(config.to_dict(), GGUFReader(str(gguf_path)))
-    if values["model_type"] != config.model_type:  # a llama file with experts: Mixtral
+    return config.to_dict()
+
+
+def _write_config(gguf_path: Path, out: Path) -> dict:
+    from gguf import GGUFReader
+    from transformers import AutoConfig
+
+    reader = GGUFReader(str(gguf_path))
+    values = _read_config(gguf_path, reader)
+    model_type = values["model_type"]
+    values = complete_config(values, reader)
+    if values["model_type"] != model_type:  # a llama file with experts: Mixtral
         values.pop("architectures", None)
     config = AutoConfig.for_model(**values)
     if config.model_type not in SUPPORTED_GGUF_ARCHS:

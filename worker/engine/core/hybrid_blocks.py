@@ -17,6 +17,7 @@ Counts the scheduler reads (`num_blocks`, usage, prefix statistics) are the full
 
 from __future__ import annotations
 
+from shared.prefixes import BlockHash
 from worker.engine.core.block_manager import BlockManager, cdiv
 from worker.engine.core.request import Request
 
@@ -79,6 +80,11 @@ class HybridBlockManager:
     @property
     def num_prefix_hit_tokens(self) -> int:
         return self.full.num_prefix_hit_tokens
+
+    def cached_hashes(self) -> tuple[BlockHash, ...]:
+        """The full pool's cached hashes (what routing matches prompts against; a hit may
+        still shrink to what the local pool holds)."""
+        return self.full.cached_hashes()
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return self.full.get_block_ids(request_id)
