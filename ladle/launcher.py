@@ -29,7 +29,7 @@ from ladle.supervisor import (
     Supervisor,
     describe_exit,
 )
-from shared.config import Settings
+from shared.config import Settings, allocator_env
 from shared.errors import EXIT_CONFIG_ERROR
 from shared.keys import Keys
 from shared.logging import setup_logging
@@ -127,6 +127,7 @@ def child_specs(
         worker_env["LLM_WORKER_METRICS_PORT"] = str(port + i if port else 0)
         if threads:
             worker_env["LLM_NUM_THREADS"] = str(threads)
+        worker_env = allocator_env(worker_env, settings.malloc)  # no re-exec at its start
         specs.append(ChildSpec(f"worker-{i}", [sys.executable, "-m", "worker"], worker_env))
     return specs
 
