@@ -39,6 +39,8 @@ logger = logging.getLogger("ladle.launcher")
 
 # Time on top of LLM_SHUTDOWN_TIMEOUT_S: a worker drains for that long, then hands jobs back.
 SHUTDOWN_MARGIN_S = 15.0
+# `/ready` is asked this often until it first answers: the start-up time is measured to it
+READY_POLL_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -248,7 +250,7 @@ def supervise(
         elif not is_ready and now > next_note:
             logger.info("waiting for %s (workers load the model first)...", ready_url)
             next_note = now + 15.0
-        time.sleep(poll_s)
+        time.sleep(poll_s if is_ready else min(poll_s, READY_POLL_S))
     return 0
 
 
