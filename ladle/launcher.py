@@ -29,7 +29,7 @@ from ladle.supervisor import (
     Supervisor,
     describe_exit,
 )
-from shared.config import Settings
+from shared.config import Settings, allocator_env
 from shared.errors import EXIT_CONFIG_ERROR
 from shared.keys import Keys
 from shared.logging import setup_logging
@@ -39,6 +39,8 @@ logger = logging.getLogger("ladle.launcher")
 
 # Time on top of LLM_SHUTDOWN_TIMEOUT_S: a worker drains for that long, then hands jobs back.
 SHUTDOWN_MARGIN_S = 15.0
+# `/ready` is asked this often until it first answers: the start-up time is measured to it
+READY_POLL_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,7 @@ def child_specs(
         worker_env["LLM_WORKER_METRICS_PORT"] = str(port + i if port else 0)
         if threads:
             worker_env["LLM_NUM_THREADS"] = str(threads)
+        worker_env = allocator_env(worker_env, settings.malloc)  # no re-exec at its start
         specs.append(ChildSpec(f"worker-{i}", [sys.executable, "-m", "worker"], worker_env))
     return specs
 
@@ -247,7 +250,7 @@ def supervise(
         elif not is_ready and now > next_note:
             logger.info("waiting for %s (workers load the model first)...", ready_url)
             next_note = now + 15.0
-        time.sleep(poll_s)
+        time.sleep(poll_s if is_ready else min(poll_s, READY_POLL_S))
     return 0
 
 

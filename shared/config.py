@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from functools import lru_cache
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
@@ -289,19 +290,28 @@ def preload_allocator() -> None:
     missing or `LLM_MALLOC=system`. Call it first thing in an entry point.
     """
     try:
-        library = allocator_library(Settings().malloc)
+        env = allocator_env(os.environ, Settings().malloc)
     except ValueError:  # invalid settings: the command line reports them, on glibc malloc
         return
-    preloaded = os.environ.get("LD_PRELOAD", "")
-    if library is None or library in preloaded.split(":"):
+    if env.get("LD_PRELOAD") == os.environ.get("LD_PRELOAD"):
         return
-    env = dict(os.environ, LD_PRELOAD=":".join(filter(None, [library, preloaded])))
     import sys
 
     try:
         os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
     except OSError as exc:  # run on as we are: slower, not wrong
-        print(f"could not re-exec with {library} preloaded: {exc}", file=sys.stderr)
+        print(f"could not re-exec with {env['LD_PRELOAD']} preloaded: {exc}", file=sys.stderr)
+
+
+def allocator_env(env: Mapping[str, str], setting: str) -> dict[str, str]:
+    """`env` with the allocator for `LLM_MALLOC` = `setting` first in `LD_PRELOAD` (as it is
+    where it is there already or none applies). A launcher that starts workers with it spares
+    each its re-exec (a second interpreter start and settings import)."""
+    library = allocator_library(setting)
+    preloaded = env.get("LD_PRELOAD", "")
+    if library is None or library in preloaded.split(":"):
+        return dict(env)
+    return dict(env, LD_PRELOAD=":".join(filter(None, [library, preloaded])))
 
 
 def active_allocator() -> str:

@@ -10,6 +10,7 @@ import json
 import re
 from functools import lru_cache
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from shared.model_files import ModelSource, converted_dir, resolve_model
@@ -29,10 +30,33 @@ def load_tokenizer(model_ref: str, cache_dir: str | None = None) -> Tokenizer:
     source = resolve_model(model_ref, cache_dir)
     directory = _tokenizer_dir(source, cache_dir)
     if directory is not None:
-        hf = AutoTokenizer.from_pretrained(str(directory))
+        hf = AutoTokenizer.from_pretrained(str(directory), **_class_hint(directory))
     else:
         hf = AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
     return Tokenizer(hf, extra_eos_token_ids=_generation_eos_ids(directory))
+
+
+def _class_hint(directory: Path) -> dict[str, Any]:
+    """AutoTokenizer reads the model's config only to pick the tokenizer class, and loading
+    transformers' config class costs ~1 s (it imports torch.distributed's tensor ops). Where
+    tokenizer_config.json names the class and neither file asks for remote code, the fields
+    it reads from that config are handed over instead ({}: let it read the config)."""
+    try:
+        tokenizer_config = json.loads((directory / "tokenizer_config.json").read_text())
+        model_config = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(tokenizer_config, dict) or not isinstance(model_config, dict):
+        return {}
+    named = tokenizer_config.get("tokenizer_class") and model_config.get("model_type")
+    if not named or "auto_map" in tokenizer_config or "auto_map" in model_config:
+        return {}
+    hint = SimpleNamespace(
+        model_type=model_config["model_type"],
+        tokenizer_class=model_config.get("tokenizer_class"),
+        _name_or_path=str(directory),
+    )
+    return {"config": hint}
 
 
 def _tokenizer_dir(source: ModelSource, cache_dir: str | None) -> Path | None:

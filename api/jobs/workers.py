@@ -32,7 +32,8 @@ class WorkerDirectory:
         ids = [_text(i) for i in await self.redis.zrange(self.keys.workers, 0, -1)]
         raws = await self.redis.mget([self.keys.worker(i) for i in ids]) if ids else []
         records = [WorkerRecord.model_validate_json(raw) for raw in raws if raw]
-        self._cached = (now, records)
+        # none yet is read again next time: the first worker's first heartbeat counts at once
+        self._cached = (now, records) if records else None
         return records
 
     async def models(self) -> dict[str, int]:

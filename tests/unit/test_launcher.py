@@ -216,6 +216,15 @@ def test_child_specs_give_each_worker_its_id_and_port() -> None:
     assert "LLM_WORKER_ID" not in specs[0].env
 
 
+def test_workers_start_with_the_allocator_preloaded() -> None:
+    settings = Settings(malloc="/lib/libtcmalloc.so")
+    specs = launcher.child_specs(settings, 1, {"LD_PRELOAD": "/lib/other.so"}, "b")
+    assert specs[1].env["LD_PRELOAD"] == "/lib/libtcmalloc.so:/lib/other.so"
+    assert specs[0].env["LD_PRELOAD"] == "/lib/other.so"  # the API does not preload one
+    system = launcher.child_specs(Settings(malloc="system"), 1, {}, "b")
+    assert "LD_PRELOAD" not in system[1].env
+
+
 def test_metrics_port_zero_stays_off_and_threads_are_shared(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 
 from worker.models.errors import ModelConfigError
 from worker.models.gguf_config import complete_config, own_config
+from worker.models.gguf_file import read_tensors
 from worker.models.gguf_names import CONFIG_TENSORS, hf_name, is_expert_stack
 from worker.models.registry import MODEL_TYPES
 
@@ -54,7 +55,7 @@ PLUS_ONE_NORM_ARCHS = ("gemma2", "gemma3_text")
 class GGUFPiece:
     """One HF tensor's part of a GGUF tensor: all of it, or one expert of a stack."""
 
-    tensor: Any  # gguf's ReaderTensor
+    tensor: Any  # gguf's ReaderTensor, or the same fields (`gguf_file.GGUFTensor`)
     data: np.ndarray  # its raw data (uint8 blocks, or floats), this piece only
     shape: tuple[int, ...]  # HF's row-major shape of this piece
     heads: int | None = None  # heads whose Q/K row interleaving to undo
@@ -83,10 +84,8 @@ def _permuted_heads(name: str, config: dict) -> int | None:
 
 def gguf_entries(path: Path, config: dict) -> Iterator[tuple[str, GGUFPiece]]:
     """(HF name, its piece of a GGUF tensor) for every weight in the file."""
-    from gguf import GGUFReader
-
     arch = config["model_type"]
-    for tensor in GGUFReader(str(path)).tensors:
+    for tensor in read_tensors(path):
         if tensor.name in CONFIG_TENSORS:
             continue
         shape = tuple(reversed([int(n) for n in tensor.shape]))

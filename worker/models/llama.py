@@ -16,6 +16,7 @@ from torch import nn
 from worker.layers import native
 from worker.layers.activation import SiluAndMul
 from worker.layers.attention import PagedAttention
+from worker.layers.embedding import CheckpointEmbedding
 from worker.layers.linear import Linear, PackedLinear
 from worker.layers.norm import RMSNorm
 from worker.layers.quant import QuantizedTensor
@@ -128,7 +129,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: Any, variant: LlamaVariant, max_positions: int) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = CheckpointEmbedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(
             rope_parameters(config), head_dim_of(config), max_positions
         )

@@ -29,6 +29,7 @@ from worker.models.errors import ModelConfigError
 from worker.models.gguf_convert import convert_gguf
 from worker.models.gguf_quant import gguf_quantized_weights
 from worker.models.registry import build_model, resolve_architecture
+from worker.models.saved_config import read_config
 
 log = logging.getLogger(__name__)
 
@@ -144,11 +145,9 @@ def load_model(
     quantized (`worker/layers/quant.py`); embeddings, norms and the lm_head keep `dtype`.
     "auto" follows a GGUF's own types (`resolve_quantization`).
     """
-    from transformers import AutoConfig
-
     started = time.perf_counter()
     model_dir = hf_dir_for(ref, cache_dir)
-    config = _read_config(model_dir, AutoConfig)
+    config = _read_config(model_dir, cache_dir)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     check_quantization(quantization, torch_device)
@@ -220,18 +219,25 @@ def precision_label(model: nn.Module, mode: str) -> str:
     return f"auto ({', '.join(parts) or 'none'})"
 
 
-def _read_config(model_dir: Path, auto_config: Any) -> Any:
-    """The model's transformers config, checked against the registry before transformers
-    reads it (so an unknown or remote-code architecture is one clear `ModelConfigError`)."""
+def _read_config(model_dir: Path, cache_dir: str | None) -> Any:
+    """The model's transformers config (as a previous start saved it, `saved_config.py`),
+    checked against the registry before transformers reads it (so an unknown or
+    remote-code architecture is one clear `ModelConfigError`)."""
     path = model_dir / "config.json"
     if not path.exists():
         raise ModelConfigError(f"{model_dir} has no config.json")
     resolve_architecture(json.loads(path.read_text()))
+    return read_config(model_dir, cache_dir, lambda: _read_live_config(model_dir))
+
+
+def _read_live_config(model_dir: Path) -> Any:
+    from transformers import AutoConfig
+
     try:
-        return auto_config.from_pretrained(str(model_dir), local_files_only=True)
+        return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
     except (ValueError, KeyError, OSError) as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ModelConfigError(f"cannot read {path}: {first_line}") from exc
+        raise ModelConfigError(f"cannot read {model_dir / 'config.json'}: {first_line}") from exc
 
 
 def _checkpoint(
