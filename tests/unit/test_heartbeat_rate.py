@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from shared.contracts import WorkerRecord
 from shared.keys import Keys
+from tests.support.records import worker_record
 from worker import heartbeat as hb
 from worker.engine.engine import EngineStats
 
@@ -14,16 +14,7 @@ def test_tokens_per_second_over_a_sliding_window(monkeypatch: pytest.MonkeyPatch
     clock = {"now": 100.0}
     count = {"tokens": 0}
     monkeypatch.setattr(hb.time, "monotonic", lambda: clock["now"])
-    base = WorkerRecord(
-        worker_id="w",
-        host="h",
-        pid=1,
-        model="m",
-        device="cpu",
-        dtype="float32",
-        max_model_len=64,
-        block_size=16,
-    )
+    base = worker_record()
     beat = hb.Heartbeat(
         None,
         Keys("t"),

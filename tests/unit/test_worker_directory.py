@@ -8,21 +8,12 @@ import time
 import fakeredis
 
 from api.jobs.workers import WorkerDirectory
-from shared.contracts import WorkerRecord
 from shared.keys import Keys
+from tests.support.records import worker_record
 
 
 async def _register(redis: fakeredis.FakeAsyncRedis, keys: Keys, worker_id: str) -> None:
-    record = WorkerRecord(
-        worker_id=worker_id,
-        host="h",
-        pid=1,
-        model="m",
-        device="cpu",
-        dtype="float32",
-        max_model_len=64,
-        block_size=16,
-    )
+    record = worker_record(worker_id)
     await redis.set(keys.worker(worker_id), record.model_dump_json())
     await redis.zadd(keys.workers, {worker_id: time.time()})
 
