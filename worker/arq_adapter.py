@@ -207,6 +207,8 @@ def admission_capacity(service: WorkerService, lane: Lane, num_starting: int = 0
     arriving interactive request waits out, grows with the batch)."""
     if service.draining or service.is_unhealthy():
         return 0
+    if service.ends_jobs_in_one_step:
+        return _pooling_room(service, lane, num_starting)
     room = _interactive_room(service, num_starting)
     if lane == "batch":
         return min(room, _batch_room(service, num_starting))
@@ -231,6 +233,20 @@ def _batch_room(service: WorkerService, num_starting: int) -> int:
     num_lines = sum(1 for job in service.jobs.values() if job.payload.lane == "batch")
     room_left = s.max_batch_size - s.batch_reserved_seqs - len(service.jobs) - service.num_pending
     return max(0, min(room_left, s.batch_max_seqs - num_lines) - num_starting)
+
+
+def _pooling_room(service: WorkerService, lane: Lane, num_starting: int) -> int:
+    """An embedding or scoring job ends in the step that runs it: there is no running set to
+    keep room for, so take what fills the next step (`max_batch_size` inputs) plus
+    `worker_max_queued`. Batch lines fill that room too, except the `batch_reserved_seqs`
+    slots; a step takes interactive inputs first, so an interactive request waits at most one
+    step behind them. (The generator's rule of 4 queued jobs held embedding lines to ~40/s.)"""
+    s = service.settings
+    in_flight = len(service.jobs) + service.num_pending + num_starting
+    room = s.max_batch_size + s.worker_max_queued - in_flight
+    if lane == "batch":
+        room = min(room, s.max_batch_size - s.batch_reserved_seqs - in_flight)
+    return max(0, room)
 
 
 def _running(task: asyncio.Task | None) -> bool:

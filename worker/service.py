@@ -112,6 +112,11 @@ class WorkerService:
         self._tasks.append(asyncio.create_task(self.publisher.run(), name="publisher"))
         self._tasks.append(asyncio.create_task(self.listener.run(), name="cancels+wake"))
 
+    @property
+    def ends_jobs_in_one_step(self) -> bool:
+        """An embedding or scoring engine: every job finishes in the step that runs it."""
+        return isinstance(self.engine, EmbeddingEngine)
+
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()

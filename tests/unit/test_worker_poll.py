@@ -96,6 +96,7 @@ def test_batch_lines_take_only_spare_room() -> None:
     service.settings, service.draining = settings, False
     service.jobs, service.num_pending = _jobs("interactive", 2), 0
     service.watchdog = SimpleNamespace(is_stalled=False)  # the engine steps
+    service.engine = None  # a generator
     assert admission_capacity(service, "interactive", 0) == 2  # worker_max_queued
     assert admission_capacity(service, "batch", 0) == 2  # batch_max_seqs
     assert admission_capacity(service, "batch", 1) == 1  # ... less one being started
@@ -108,6 +109,28 @@ def test_batch_lines_take_only_spare_room() -> None:
     snapshot.num_waiting = 1  # anything waiting for the engine: no batch line
     assert admission_capacity(service, "batch", 0) == 0
     assert admission_capacity(service, "interactive", 0) == 1
+
+
+def test_an_embedding_worker_takes_a_whole_step_of_jobs() -> None:
+    from worker.arq_adapter import admission_capacity
+    from worker.engine.embedding import EmbeddingEngine
+    from worker.service import WorkerService
+
+    settings = Settings(
+        max_batch_size=8, worker_max_queued=2, batch_reserved_seqs=3, batch_max_seqs=2
+    )
+    service = WorkerService.__new__(WorkerService)
+    service.engine = EmbeddingEngine.__new__(EmbeddingEngine)  # jobs end in their step
+    service.engine_thread = SimpleNamespace(stats=SimpleNamespace(num_waiting=4))
+    service.settings, service.draining, service.num_pending = settings, False, 0
+    service.watchdog = SimpleNamespace(is_stalled=False)
+    service.jobs = _jobs("batch", 4)  # waiting in the engine does not stop more lines
+    assert admission_capacity(service, "batch", 0) == 1  # 8 - 3 reserved - 4
+    assert admission_capacity(service, "batch", 1) == 0
+    assert admission_capacity(service, "interactive", 0) == 6  # 8 + 2 - 4
+    service.jobs.update(_jobs("interactive", 6))
+    assert admission_capacity(service, "interactive", 0) == 0
+    assert admission_capacity(service, "batch", 0) == 0
 
 
 def test_each_lane_polls_its_models_own_queue() -> None:
