@@ -25,15 +25,39 @@ def load_tokenizer(model_ref: str, cache_dir: str | None = None) -> Tokenizer:
     A GGUF whose one-time conversion directory already holds tokenizer files loads from there
     (fast); otherwise transformers reads the tokenizer out of the GGUF itself (slow).
     """
-    from transformers import AutoTokenizer
-
     source = resolve_model(model_ref, cache_dir)
     directory = _tokenizer_dir(source, cache_dir)
-    if directory is not None:
+    backend = _plain_backend(directory)
+    if backend is not None:
+        hf = backend.from_pretrained(str(directory))
+    elif directory is not None:
+        from transformers import AutoTokenizer
+
         hf = AutoTokenizer.from_pretrained(str(directory), **_class_hint(directory))
     else:
+        from transformers import AutoTokenizer
+
         hf = AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
     return Tokenizer(hf, extra_eos_token_ids=_generation_eos_ids(directory))
+
+
+def _plain_backend(directory: Path | None) -> Any:
+    """transformers' plain `tokenizers` class where tokenizer_config.json names it (as every
+    GGUF's conversion does): importing it alone skips AutoTokenizer's scan of transformers'
+    1,100 model modules (~1 s of a start). None: let AutoTokenizer choose."""
+    if directory is None:
+        return None
+    try:
+        named = json.loads((directory / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if named not in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+        return None
+    try:  # transformers 5's module; older layouts go through AutoTokenizer
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    return TokenizersBackend
 
 
 def _class_hint(directory: Path) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.engine.test_engine import GREEDY, hf_greedy, random_prompts, token_ids
 from tests.support.engines import add_tiny_tokenizer, make_engine
@@ -16,6 +17,7 @@ from tests.support.tiny_models import tiny_model_dir
 from worker.engine.core.block_manager import BlockManager
 from worker.engine.core.hybrid_blocks import HybridBlockManager
 from worker.engine.engine import LLMEngine
+from worker.engine.kv_cache import zeroed
 from worker.engine.offline import LLM
 
 BS = 4  # the tiny configs' window is 8: two blocks, so blocks slide out every few tokens
@@ -99,3 +101,11 @@ def test_preemption_by_either_pool_equals_transformers(pool, model_dirs):
     assert engine.scheduler.num_preemptions_total > 0
     assert ours == hf_greedy(model_dir, prompts, longer.max_tokens)
     assert_both_pools_free(engine)
+
+
+def test_the_cpu_cache_starts_zeroed_and_writable() -> None:
+    cache = zeroed((2, 3, 4, 5), torch.bfloat16, torch.device("cpu"))
+    assert cache.shape == (2, 3, 4, 5) and cache.dtype == torch.bfloat16
+    assert cache.is_contiguous() and not cache.any()
+    cache[1, 2] = 1.5
+    assert cache.sum().item() == 1.5 * 20

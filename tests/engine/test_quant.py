@@ -24,6 +24,8 @@ from worker.layers.quant import (
     check_quantization,
     quantize,
 )
+from worker.models import gguf_quant
+from worker.models.gguf_convert import _write_weights as write_weights
 from worker.models.gguf_convert import gguf_tensors
 from worker.models.gguf_quant import gguf_quantized_weights, q4_to_int4
 from worker.models.registry import build_model
@@ -238,6 +240,28 @@ def test_gguf_loads_into_quantized_layers(mode: str, tiny_gguf: tuple[Path, dict
         torch.testing.assert_close(
             module(inputs), expected, rtol=0.03, atol=0.03 * expected.abs().max().item()
         )
+
+
+def test_gguf_floats_from_its_conversion_equal_the_file(
+    tiny_gguf: tuple[Path, dict], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The float tensors read from the GGUF's float32 conversion are the file's own values."""
+    path, config_dict = tiny_gguf
+    write_weights(path, tmp_path, config_dict, torch.float32)  # the conversion's own writer
+    direct = dict(gguf_quantized_weights(path, config_dict, "int4"))
+    dequantized = []
+    original = gguf_quant.float_tensor
+    monkeypatch.setattr(
+        gguf_quant, "float_tensor", lambda name, *a: dequantized.append(name) or original(name, *a)
+    )
+    converted = dict(gguf_quantized_weights(path, config_dict, "int4", tmp_path))
+    assert dequantized == []  # every float tensor came from the conversion
+    assert direct.keys() == converted.keys()
+    floats = [name for name, value in direct.items() if isinstance(value, torch.Tensor)]
+    assert "model.embed_tokens.weight" in floats
+    for name in floats:
+        assert converted[name].dtype == torch.float32
+        assert torch.equal(converted[name], direct[name]), name
 
 
 def _expected_weight(hf: str, floats: dict[str, torch.Tensor], mode: str) -> torch.Tensor:

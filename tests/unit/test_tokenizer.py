@@ -151,3 +151,19 @@ def test_smollm_byte_level_token_bytes(smollm: Tokenizer) -> None:
     assert len(emoji_ids) > 1  # the emoji spans tokens: each piece alone is a partial char
     assert "\ufffd" in smollm.token_text(emoji_ids[0])
     assert smollm.token_text(smollm.encode(" hello")[0]) == " hello"
+
+
+@pytest.mark.slow
+def test_the_plain_class_loads_what_auto_tokenizer_does(smollm: Tokenizer) -> None:
+    from transformers import AutoTokenizer
+
+    directory = Path(smollm.hf.name_or_path)
+    auto = AutoTokenizer.from_pretrained(str(directory))
+    assert type(smollm.hf) is type(auto)
+    text = " héllo 😀 中文 <|im_end|> def f(x):\n\treturn x"
+    assert smollm.hf(text)["input_ids"] == auto(text)["input_ids"]
+    assert smollm.hf.all_special_ids == auto.all_special_ids
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    assert smollm.apply_chat_template(messages) == list(
+        auto.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)["input_ids"]
+    )

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -71,7 +72,7 @@ def allocate_kv_cache(
 
     def storage(layers: int, blocks: int) -> torch.Tensor:
         shape = (2, layers, num_kv_heads, blocks, block_size, head_dim)
-        return torch.zeros(shape, dtype=dtype, device=device)
+        return zeroed(shape, dtype, device)
 
     pools = {False: storage(num_layers - num_local, num_blocks)}
     if num_local:
@@ -84,6 +85,17 @@ def allocate_kv_cache(
         k_caches.append(pools[is_local][0, index])
         v_caches.append(pools[is_local][1, index])
     return KVCache(k_caches, v_caches, num_blocks, block_size, local_layers, num_local_blocks)
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`torch.zeros`, but on the CPU from calloc's fresh pages, which the kernel zeroes as
+    they are first touched: zero-filling 512 MB up front cost 0.3-1.3 s of every start."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    element_size = torch.empty((), dtype=dtype).element_size()
+    count = int(np.prod(shape, dtype=np.int64))
+    raw = torch.from_numpy(np.zeros(count * element_size, dtype=np.uint8))
+    return raw.view(dtype).view(shape)
 
 
 def window_layers(model: nn.Module) -> list[int | None]:

@@ -19,11 +19,14 @@ back as float32 tensors; the loader keeps them in the model dtype.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
+from safetensors import safe_open
 
 from worker.layers.quant import QuantizedTensor, quantize
 from worker.models.gguf_convert import (
@@ -115,17 +118,41 @@ def _row_order(rows: int, heads: int) -> torch.Tensor:
 
 
 def gguf_quantized_weights(
-    path: Path, config: dict, mode: str
+    path: Path, config: dict, mode: str, converted: Path | None = None
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
     """(HF name, float32 tensor or QuantizedTensor) for every tensor of the file, linears in
-    `mode` ("int8", "int4", or "auto": per tensor, as `AUTO_MODES` says)."""
+    `mode` ("int8", "int4", or "auto": per tensor, as `AUTO_MODES` says).
+
+    Float tensors come from `converted` (the file's float32 conversion, the same values)
+    where it holds them: dequantizing the embeddings with numpy cost ~0.6 s of every start."""
     arch = config["model_type"]
-    for name, piece in gguf_entries(path, config):
-        weight = quantized_linear(piece, mode) if is_linear_weight(name) else None
-        if weight is None:
-            array = float_tensor(name, piece, arch)
-            yield name, torch.from_numpy(np.array(array, dtype=np.float32, order="C"))
-            continue
-        if piece.heads is not None:
-            weight = weight.rows(_row_order(weight.shape[0], piece.heads))
-        yield name, weight
+    with contextlib.ExitStack() as stack:
+        floats = _float_tensors(converted, stack)
+        for name, piece in gguf_entries(path, config):
+            weight = quantized_linear(piece, mode) if is_linear_weight(name) else None
+            if weight is None:
+                yield name, _float_weight(name, piece, arch, floats)
+                continue
+            if piece.heads is not None:
+                weight = weight.rows(_row_order(weight.shape[0], piece.heads))
+            yield name, weight
+
+
+def _float_tensors(converted: Path | None, stack: contextlib.ExitStack) -> dict[str, Any]:
+    """HF name -> the open safetensors file of `converted` that holds it."""
+    if converted is None:
+        return {}
+    found: dict[str, Any] = {}
+    for file in sorted(converted.glob("*.safetensors")):
+        handle = stack.enter_context(safe_open(str(file), framework="pt"))
+        found.update(dict.fromkeys(handle.keys(), handle))
+    return found
+
+
+def _float_weight(name: str, piece: GGUFPiece, arch: str, floats: dict[str, Any]) -> torch.Tensor:
+    if name in floats:
+        saved = floats[name].get_tensor(name)
+        if saved.dtype == torch.float32 and tuple(saved.shape) == tuple(piece.shape):
+            return saved
+    array = float_tensor(name, piece, arch)
+    return torch.from_numpy(np.array(array, dtype=np.float32, order="C"))

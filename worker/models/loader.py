@@ -155,7 +155,7 @@ def load_model(
     model_len = _max_model_len(config, max_model_len)
     with _default_dtype(torch_dtype), torch.device("meta"):
         model = build_model(config, model_len)
-    model.to_empty(device=torch_device)
+    materialize(model, torch_device)
     with torch.no_grad():
         model.load_weights(_checkpoint(ref, model_dir, config, quantization))
         if quantization != "none":
@@ -181,6 +181,12 @@ def load_model(
         eos_token_ids=eos_token_ids(model_dir, config),
         quantization=quantization,
     )
+
+
+def materialize(model: nn.Module, device: torch.device) -> nn.Module:
+    """`model.to_empty(device=device)` without `empty_like` of meta tensors, whose Python
+    meta kernels import sympy and torch's decompositions (0.4-0.6 s of every start)."""
+    return model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
 
 
 def log_loaded(model_dir: Path, started: float, *details: object) -> None:
@@ -246,7 +252,7 @@ def _checkpoint(
     """The weights to load: a quantized GGUF's own blocks when quantizing, else safetensors."""
     source = resolve_model(ref)
     if quantization != "none" and source.kind == "gguf":  # its own blocks, never via bf16
-        return gguf_quantized_weights(source.path, config.to_dict(), quantization)
+        return gguf_quantized_weights(source.path, config.to_dict(), quantization, model_dir)
     return iter_safetensors(model_dir)
 
 

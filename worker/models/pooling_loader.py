@@ -18,6 +18,7 @@ from worker.models.loader import (
     hf_dir_for,
     iter_safetensors,
     log_loaded,
+    materialize,
     resolve_device,
     resolve_dtype,
 )
@@ -94,7 +95,7 @@ def _built(
     with torch.device("meta"):  # no random init: every weight comes from the checkpoint
         model = build_pooling_model(config, architecture, int(config.max_position_embeddings))
     with torch.no_grad():
-        model.to_empty(device=device).to(dtype)
+        materialize(model, device).to(dtype)
         model.load_weights(checkpoint_tensors(weights_dir))
         model.post_load()
     return model.eval()
