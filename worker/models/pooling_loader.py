@@ -3,11 +3,13 @@ directory, with what the embedding engine needs to know about it (pooling, conte
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Literal
 
 import torch
@@ -43,12 +45,25 @@ class LoadedPoolingModel(LoadedWeights):
 
 
 def is_pooling_model(ref: str, cache_dir: str | None = None) -> bool:
-    """Whether `ref` names an embedding model or cross-encoder (rather than a generator)."""
-    from transformers import AutoConfig
+    """Whether `ref` names an embedding model or cross-encoder (rather than a generator).
 
+    Only `architectures` and `model_type` decide, so they are read from config.json itself:
+    `AutoConfig` imports transformers' model machinery, ~1 s of every worker's start."""
     model_dir = hf_dir_for(ref, cache_dir)
     is_st = (model_dir / "modules.json").exists()
-    config = AutoConfig.from_pretrained(str(transformer_dir(model_dir)), local_files_only=True)
+    config_dir = transformer_dir(model_dir)
+    try:
+        values = json.loads((config_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        values = None
+    if isinstance(values, dict) and values.get("model_type"):
+        config: Any = SimpleNamespace(
+            architectures=values.get("architectures"), model_type=values["model_type"]
+        )
+    else:  # let transformers say what it is, or why not
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(str(config_dir), local_files_only=True)
     return pooling_architecture(config, is_st) is not None
 
 
