@@ -14,6 +14,7 @@ streaming /v1/completions, random token-id prompts, greedy, ignore_eos):
 Shapes: chat 128 in / 128 out, rag 2,048 in / 128 out, long 128 in / 1,024 out. Each cell is
 bounded by `--max-seconds` (requests in flight then finish). The report has one table per
 shape (tok/s, median TTFT and ITL per server and level, ratios against vLLM and llama.cpp),
+`--kv-gib` of KV cache for Ladle and vLLM alike (LLM_KV_CACHE_SIZE_MB, VLLM_CPU_KVCACHE_SPACE),
 `lscpu`'s model and flags, the load before and after, and the memory bound of one stream
 (read bandwidth measured here / weight bytes per token) for bf16 and for the GGUF.
 """
@@ -69,17 +70,20 @@ def run_cells(base_url: str, shapes: list[str], levels: list[int], args) -> dict
 def started(server: str, args, gguf: Path, hf_dir: Path, max_level: int) -> Iterator[str]:
     """The named server, up and ready; yields its /v1 base URL."""
     context = max(i + o for i, o in SHAPES.values()) + 64
+    kv_env = {"LLM_KV_CACHE_SIZE_MB": str(args.kv_gib * 1024)}  # what vLLM is given
     if server == "ladle":
-        with running_service(1, model=str(hf_dir)) as url:
+        with running_service(1, model=str(hf_dir), extra_env=kv_env) as url:
             yield url
     elif server == "ladle-4bit":
-        with running_service(1, model=str(gguf), extra_env={"LLM_QUANTIZATION": "int4"}) as url:
+        env = {**kv_env, "LLM_QUANTIZATION": "int4"}
+        with running_service(1, model=str(gguf), extra_env=env) as url:
             yield url
     elif server == "vllm":
         from loadtest import vs_vllm
 
         vllm_args = vs_vllm.parse_args(["--max-model-len", str(context)])
         vllm_args.venv = args.vllm_venv
+        vllm_args.kv_space = args.kv_gib
         vllm_args.max_num_seqs = max(64, max_level)
         vs_vllm.ensure_vllm(Path(args.vllm_venv), vllm_args.vllm_version, 1800)
         with vs_vllm.running_vllm(vllm_args, hf_dir) as url:
@@ -157,7 +161,8 @@ def report(results: dict, meta: dict, shapes: list[str], levels: list[int]) -> s
     lines = [
         f"Model: {meta['model']}. CPU: {meta['cpu']['model']} ({os.cpu_count()} CPUs; "
         f"{meta['cpu']['flags']}). Load before / after: {meta['load_before']:.1f} / "
-        f"{meta['load_after']:.1f}. Each cell at most {meta['max_seconds']:.0f} s.",
+        f"{meta['load_after']:.1f}. Each cell at most {meta['max_seconds']:.0f} s; "
+        f"KV cache {meta.get('kv_gib', '?')} GiB for each server.",
         f"Memory bound of one stream: {meta['bounds']['bandwidth_gb_s']:.1f} GB/s read -> "
         f"bf16 {meta['bounds']['bf16_bound_tok_s']:.0f} tok/s, the GGUF "
         f"{meta['bounds']['gguf_bound_tok_s']:.0f} tok/s.",
@@ -204,6 +209,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab-size", type=int, default=49152, help="random prompt ids below this")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama-server's")
     p.add_argument("--vllm-venv", default=str(ROOT / ".cache" / "vllm-venv"))
+    p.add_argument(
+        "--kv-gib", type=int, default=2, help="KV cache of Ladle and of vLLM alike (GiB)"
+    )
     p.add_argument("--md", default=str(ROOT / ".cache" / "grid.md"))
     p.add_argument("--json", dest="json_out", default=str(ROOT / ".cache" / "grid.json"))
     p.add_argument("--png", default=str(ROOT / "docs" / "grid.png"))
@@ -246,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_dir = Path(args.hf_dir) if args.hf_dir else default_hf_dir()
     shapes, levels = args.shapes.split(","), levels_from(args.concurrency)
     meta = {"model": gguf.name, "cpu": lscpu(), "load_before": os.getloadavg()[0]}
-    meta.update(max_seconds=args.max_seconds, shapes=shapes)
+    meta.update(max_seconds=args.max_seconds, shapes=shapes, kv_gib=args.kv_gib)
     results: dict[str, dict] = {}
     for server in args.servers.split(","):
         print(f"{server}:", flush=True)
