@@ -30,14 +30,13 @@ def load_tokenizer(model_ref: str, cache_dir: str | None = None) -> Tokenizer:
     backend = _plain_backend(directory)
     if backend is not None:
         hf = backend.from_pretrained(str(directory))
-    elif directory is not None:
-        from transformers import AutoTokenizer
-
-        hf = AutoTokenizer.from_pretrained(str(directory), **_class_hint(directory))
     else:
         from transformers import AutoTokenizer
 
-        hf = AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
+        if directory is not None:
+            hf = AutoTokenizer.from_pretrained(str(directory), **_class_hint(directory))
+        else:
+            hf = AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
     return Tokenizer(hf, extra_eos_token_ids=_generation_eos_ids(directory))
 
 
