@@ -1,12 +1,13 @@
 """After a Redis primary change: job records checked against arq's queue entries.
 
-A submission writes its record and payload, then arq's job; the API waits for a replica after
-the last of them (shared/replication.py) before it answers 202. A submission the API did not
-confirm (it answered 503, or died) may have reached the new primary only in part: a record
-saying `queued` with no arq job behind it would wait forever. This puts such a job back in its
+A submission writes its record, payload and arq job in one script (api/jobs/store.py), and
+the API waits for a replica after it (shared/replication.py) before it answers 202. What a
+failover can still leave is a record saying `queued` with no arq job behind it (a reconcile's
+own requeue cut off, or an API of an older release that wrote them one after the other): it
+would wait forever. This puts such a job back in its
 queue from its payload, or, without a payload, ends it `failed` with `job_lost` so that its
-waiting client and its pollers hear it. A job submitted in the last `min_age_s` is left alone:
-its API may still be enqueueing it.
+waiting client and its pollers hear it. A job submitted in the last `min_age_s` is left alone
+(its API may still be enqueueing it) and looked at again once it is old enough.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ MIN_AGE_S = 10.0
 class Reconciled:
     requeued: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
+    # When the youngest record left alone (no arq job, but its API may be enqueueing it)
+    # is old enough to judge; None when none was.
+    judge_young_at: float | None = None
 
 
 class PrimaryWatch:
@@ -44,6 +48,7 @@ class PrimaryWatch:
     def __init__(self, redis: ArqRedis) -> None:
         self.redis = redis
         self.run_id: str | None = None
+        self.recheck_at: float | None = None  # a reconcile left records too young to judge
 
     async def changed(self) -> bool:
         run_id = (await self.redis.info("server")).get("run_id")
@@ -65,9 +70,11 @@ async def reconcile(
         if raw is None or b'"status":"queued"' not in raw:
             continue
         record = JobRecord.model_validate_json(raw)
-        if time.time() - record.created_at < min_age_s:
-            continue
         if await redis.exists(job_key_prefix + record.id):
+            continue
+        if time.time() - record.created_at < min_age_s:
+            judge_at = record.created_at + min_age_s
+            done.judge_young_at = max(done.judge_young_at or judge_at, judge_at)
             continue
         await _requeue_or_fail(redis, keys, record, job_ttl_s, done, shards)
     if done.requeued or done.failed:
@@ -135,11 +142,16 @@ async def reconcile_after_failover(
     job_ttl_s: int,
     shards: StreamShards | None = None,
 ) -> Reconciled | None:
-    """One check: reconcile if the primary changed since the last call."""
+    """One check: reconcile if the primary changed since the last call, and again once the
+    records the last reconcile found too young to judge are old enough."""
     try:
-        if await watch.changed():
+        changed = await watch.changed()
+        if changed:
             log.warning("Redis primary changed; reconciling queued jobs")
-            return await reconcile(redis, keys, job_ttl_s, shards=shards)
+        if changed or (watch.recheck_at is not None and time.time() >= watch.recheck_at):
+            done = await reconcile(redis, keys, job_ttl_s, shards=shards)
+            watch.recheck_at = done.judge_young_at
+            return done
     except (RedisError, OSError) as exc:
         log.info("reconciliation deferred: %r", exc)
         watch.run_id = None if watch.run_id is None else "unknown"  # check again next time

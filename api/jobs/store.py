@@ -12,6 +12,7 @@ from typing import Any, get_args
 
 from arq.connections import ArqRedis
 from arq.constants import in_progress_key_prefix, job_key_prefix
+from arq.jobs import serialize_job
 from redis.exceptions import RedisError
 
 from api.errors import APIError
@@ -73,6 +74,25 @@ redis.call('EXPIRE', KEYS[7], ARGV[3])
     + """return 1
 """
 )
+# A submission in one step: record, payload, the key's recent list, the routing hold, arq's
+# job and its queue entry. Redis runs a script whole or not at all, and a replica or a new
+# primary gets all of it or none: no failover leaves a record without its arq job. A record
+# already there means this submission (redis-py sent it again after a dropped reply) or a
+# batch line submitted before: nothing is written twice, so nothing runs twice.
+_ENQUEUE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[3])
+redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[3])
+if KEYS[3] ~= '' then
+  redis.call('ZADD', KEYS[3], ARGV[4], ARGV[11])
+  redis.call('ZREMRANGEBYRANK', KEYS[3], 0, -tonumber(ARGV[5]) - 1)
+  redis.call('EXPIRE', KEYS[3], ARGV[3])
+end
+if KEYS[4] ~= '' then redis.call('SET', KEYS[4], ARGV[6], 'PX', ARGV[7]) end
+redis.call('SET', KEYS[5], ARGV[8], 'PX', ARGV[9])
+redis.call('ZADD', KEYS[6], ARGV[10], ARGV[11])
+return 1
+"""
 # Newest job ids kept per API key for `GET /v1/jobs` (the console's list); older ones drop.
 RECENT_JOBS_KEPT = 200
 # Queue entries looked at to tell running jobs from waiting ones (a console poll, 1/s).
@@ -104,6 +124,7 @@ class JobStore:
         self.limiter = limiter
         self.replicas = ReplicaWaiter(redis)
         self._cancel_queued = redis.register_script(_CANCEL_QUEUED)
+        self._enqueue_script = redis.register_script(_ENQUEUE)
         self._background: set[asyncio.Task] = set()
 
     async def queue_depth(self, model: str, lane: Lane = "interactive") -> int:
@@ -120,14 +141,14 @@ class JobStore:
             raise
         try:
             worker_id = await self.router.pick(payload) if self.router else None
-            record, is_new = await self._enqueue(
+            # Not written means redis-py sent it again after a dropped reply: it is ours (the
+            # id is unguessable), and it is queued.
+            record, _ = await self._enqueue(
                 payload, url, only_new=False, reservation=reservation, routed_to=worker_id
             )
         except (RedisError, OSError):
             await self._undo(payload, reservation)
             raise
-        if not is_new:
-            raise APIError(500, "Job id collision", error_type="server_error")
         await self.redis.publish(self.keys.wake_channel, payload.id)
         await self._confirm_replicated(payload.id)
         return record
@@ -149,11 +170,14 @@ class JobStore:
             raise NotConfirmed(job_id, str(exc)) from exc
 
     async def _undo(self, payload: JobPayload, reservation: TokenReservation | None) -> None:
-        """Remove what a submission that failed half-way wrote (Redis refused a write at
-        maxmemory, or went away): DEL and SREM are allowed even when Redis is full."""
+        """Remove what a failed submission may have written (Redis went away after it ran
+        the script, or refused a write at maxmemory): the client hears that nothing was
+        queued, so nothing may run. DEL, ZREM and SREM are allowed even when Redis is full."""
         try:
             async with self.redis.pipeline(transaction=False) as pipe:
                 pipe.delete(self.keys.job(payload.id), self.keys.payload(payload.id))
+                pipe.zrem(self.keys.queue(payload.model, payload.lane), payload.id)
+                pipe.delete(job_key_prefix + payload.id)
                 if payload.api_key_id:
                     pipe.srem(self.keys.key_jobs(payload.api_key_id), payload.id)
                 await pipe.execute()
@@ -174,9 +198,10 @@ class JobStore:
         reservation: TokenReservation | None = None,
         routed_to: str | None = None,
     ) -> tuple[JobRecord, bool]:
-        """Write record and payload (with `only_new`, only where absent), then enqueue into
-        the model's queue for the job's lane; whether arq took it as a new job. A job
-        `routed_to` a worker is held back for it (api/jobs/routing.py)."""
+        """Write record and payload and enqueue into the model's queue for the job's lane, in
+        one script (`_ENQUEUE`); whether it wrote them (not when the record was there). A job
+        `routed_to` a worker is held back for it (api/jobs/routing.py). `only_new`: a batch
+        line, listed by its batch rather than the key's recent jobs."""
         record = JobRecord(
             id=payload.id,
             url=url,
@@ -189,25 +214,41 @@ class JobStore:
             routed_to=routed_to if self.settings.prefix_routing_hold_ms else None,
         )
         ttl = QUEUED_GRACE_S + self.settings.job_ttl_s
-        async with self.redis.pipeline(transaction=False) as pipe:
-            if record.routed_to:  # held for that worker before any worker can see the job
-                hold_ms = self.settings.prefix_routing_hold_ms
-                pipe.set(self.keys.routed(payload.id), record.routed_to, px=hold_ms)
-            pipe.set(self.keys.job(payload.id), record.model_dump_json(), ex=ttl, nx=only_new)
-            pipe.set(self.keys.payload(payload.id), payload.model_dump_json(), ex=ttl, nx=only_new)
-            if not only_new:  # requests and jobs; batch lines are listed by their batch
-                recent = self.keys.recent_jobs(payload.api_key_id)
-                pipe.zadd(recent, {payload.id: payload.created})
-                pipe.zremrangebyrank(recent, 0, -RECENT_JOBS_KEPT - 1)
-                pipe.expire(recent, ttl)
-            await pipe.execute()
-        job = await self.redis.enqueue_job(
+        recent = self.keys.recent_jobs(payload.api_key_id) if not only_new else ""
+        routed = self.keys.routed(payload.id) if record.routed_to else ""
+        now_ms = int(time.time() * 1000)
+        arq_job = serialize_job(
             RUN_COMPLETION,
-            payload.model_dump_json(),
-            _job_id=payload.id,
-            _queue_name=self.keys.queue(payload.model, payload.lane),
+            (payload.model_dump_json(),),
+            {},
+            None,
+            now_ms,
+            serializer=self.redis.job_serializer,
         )
-        return record, job is not None
+        written = await self._enqueue_script(
+            keys=[
+                self.keys.job(payload.id),
+                self.keys.payload(payload.id),
+                recent,
+                routed,
+                job_key_prefix + payload.id,
+                self.keys.queue(payload.model, payload.lane),
+            ],
+            args=[
+                record.model_dump_json(),
+                payload.model_dump_json(),
+                ttl,
+                payload.created,
+                RECENT_JOBS_KEPT,
+                record.routed_to or "",
+                self.settings.prefix_routing_hold_ms,
+                arq_job,
+                self.redis.expires_extra_ms,
+                now_ms,
+                payload.id,
+            ],
+        )
+        return record, bool(written)
 
     async def cancel_queued(self, job_id: str) -> None:
         """Cancel a job only if it is still queued (batch cancel): a running one finishes.

@@ -11,7 +11,7 @@ import pytest
 from arq.connections import ArqRedis, create_pool
 from arq.constants import job_key_prefix
 
-from api.jobs.reconcile import PrimaryWatch, reconcile
+from api.jobs.reconcile import MIN_AGE_S, PrimaryWatch, reconcile, reconcile_after_failover
 from shared.contracts import JobPayload, JobRecord, decode_event
 from shared.keys import Keys
 from shared.queue import deserialize_job, serialize_job
@@ -79,3 +79,28 @@ async def test_primary_watch_reports_no_change_on_the_same_server(
     watch = PrimaryWatch(redis[0])
     assert not await watch.changed()  # the first look only learns the run id
     assert watch.run_id and not await watch.changed()
+
+
+async def test_a_record_too_young_at_the_failover_is_judged_once_old_enough(
+    redis: tuple[ArqRedis, Keys],
+) -> None:
+    """A submission cut off by the failover itself is the youngest record then: the watch
+    comes back to it without another primary change."""
+    pool, keys = redis
+    young = await _record(pool, keys, "young", age_s=1, payload=True)
+    watch = PrimaryWatch(pool)
+    watch.run_id = "the-old-primary"
+
+    first = await reconcile_after_failover(watch, pool, keys, job_ttl_s=600)
+
+    assert first is not None and first.requeued == [] and watch.recheck_at is not None
+    record = JobRecord.model_validate_json(await pool.get(keys.job(young)))
+    assert watch.recheck_at == pytest.approx(record.created_at + MIN_AGE_S)
+    assert await reconcile_after_failover(watch, pool, keys, job_ttl_s=600) is None  # not yet
+    watch.recheck_at = time.time()  # as if min_age_s had passed, with the record aged too
+    await pool.set(keys.job(young), record.model_copy(update={"created_at": 0}).model_dump_json())
+
+    again = await reconcile_after_failover(watch, pool, keys, job_ttl_s=600)
+
+    assert again is not None and again.requeued == [young] and watch.recheck_at is None
+    assert await pool.zscore(keys.queue("m"), young) is not None
