@@ -6,11 +6,13 @@
 Each conversation is a shared system prompt and its own user turns; turn k sends the whole
 history (every earlier question and the model's answers) plus a new question, streamed from
 /v1/chat/completions, greedy. `--concurrency` conversations run at once, each turn after the
-previous answer. Per run (`ladle up --workers N`, its own Redis, LLM_PREFIX_ROUTING on or off):
+previous answer (and `--think-s`, a user's pause, if given). Per run (`ladle up --workers N`, its own Redis, LLM_PREFIX_ROUTING on or off):
 - prefix hit rate of turns 2+: cached prompt tokens (usage.prompt_tokens_details) over the
   possible ones: the prompt's leading full blocks shared with the previous turn's prompt and
   answer as the API tokenizes them (a worker that kept everything would hit those);
-- median and p90 TTFT of turn 1 and of turns 2+, and how many jobs were routed.
+- median and p90 TTFT of turn 1 and of turns 2+, and how many jobs were routed;
+- the median of each phase of turns 2+ from the jobs' own timings: queue (queued -> a worker
+  took it), setup, engine queue (-> first scheduled) and prefill (-> first token).
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class Turn:
     possible_tokens: int = 0
     worker_id: str | None = None
     routed_to: str | None = None
+    phases_s: dict[str, float] = field(default_factory=dict)  # the job's own timings
 
 
 @dataclass
@@ -122,6 +125,8 @@ async def conversation(
         if turn.error:
             break
         messages = [*messages, {"role": "assistant", "content": turn.answer}]
+        if args.think_s and number < args.turns:  # the user reads the answer and types
+            await asyncio.sleep(rng.uniform(0.5, 1.5) * args.think_s)
     return turns
 
 
@@ -162,6 +167,7 @@ async def annotate(http: httpx.AsyncClient, base_url: str, turns: list[Turn]) ->
     for turn in turns:
         job = (await http.get(f"/jobs/{turn.job_id}")).json() if turn.job_id else {}
         turn.worker_id, turn.routed_to = job.get("worker_id"), job.get("routed_to")
+        turn.phases_s = phases(job.get("timings") or {})
         previous = by_key.get((turn.conversation, turn.turn - 1))
         if previous is None or previous.error or turn.error:
             continue
@@ -170,6 +176,23 @@ async def annotate(http: httpx.AsyncClient, base_url: str, turns: list[Turn]) ->
         before = await _tokenize(http, root, history, generation_prompt=False)
         usable = min(_common_prefix(ids, before), len(ids) - 1)  # the last is always computed
         turn.possible_tokens = usable // BLOCK_SIZE * BLOCK_SIZE
+
+
+# Where a turn's time to first token goes, from the job's timings (shared/contracts.Timings).
+PHASES = {
+    "queue": ("queued_at", "picked_at"),
+    "setup": ("picked_at", "started_at"),
+    "engine_queue": ("started_at", "scheduled_at"),
+    "prefill": ("scheduled_at", "first_token_at"),
+}
+
+
+def phases(timings: dict[str, float | None]) -> dict[str, float]:
+    spans = {}
+    for name, (start, end) in PHASES.items():
+        if timings.get(start) and timings.get(end):
+            spans[name] = max(0.0, timings[end] - timings[start])  # type: ignore[operator]
+    return spans
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -203,6 +226,10 @@ def summary(result: RunResult) -> dict[str, Any]:
         "ttft_turn1_median_s": _median([t.ttft_s for t in first]),
         "ttft_turns_2plus_median_s": _median([t.ttft_s for t in later]),
         "ttft_turns_2plus_p90_s": _quantile([t.ttft_s for t in later], 0.9),
+        "phases_turns_2plus_median_s": {
+            name: _median([t.phases_s[name] for t in later if name in t.phases_s])
+            for name in PHASES
+        },
         "routed": sum(1 for t in ok if t.routed_to),
         "routed_taken_by_holder": sum(1 for t in ok if t.routed_to and t.routed_to == t.worker_id),
         "jobs_per_worker": _count(t.worker_id for t in ok),
@@ -255,6 +282,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=8, help="conversations at once")
     parser.add_argument("--question-words", type=int, default=40)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument(
+        "--think-s",
+        type=float,
+        default=0.0,
+        help="mean pause between an answer and the next turn (0.5-1.5x; 0: none)",
+    )
     parser.add_argument("--model", help="LLM_MODEL_NAME for the workers (default: the default)")
     parser.add_argument("--base-url", help="an already running service (its routing as it is)")
     parser.add_argument("--timeout-s", type=float, default=300.0, help="per request")
