@@ -2,7 +2,7 @@
 
     .venv/bin/python -m loadtest.bench_engine [--dtype auto] [--num-prompts 64]
         [--input-len 128] [--output-len 128] [--hf-requests 4] [--json OUT]
-        [--device cpu|cuda|auto] [--no-cuda-graphs]
+        [--device cpu|cuda|auto] [--no-cuda-graphs] [--lm-head-quantization none|int8|auto]
 
 Every prompt is `input_len` random token ids; every request generates exactly `output_len`
 tokens (greedy, ignore_eos). Reported:
@@ -111,6 +111,7 @@ def main() -> None:
     )
     parser.add_argument("--kv-cache-mb", type=int, default=1024)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--lm-head-quantization", default="none", choices=["none", "int8", "auto"])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
     parser.add_argument(
         "--no-cuda-graphs", action="store_true", help="CUDA: run decode steps eagerly"
@@ -126,6 +127,7 @@ def main() -> None:
         num_threads=args.threads,
         max_num_seqs=max(64, args.num_prompts),
         cuda_graphs=not args.no_cuda_graphs,
+        lm_head_quantization=args.lm_head_quantization,
     )
     llm = LLM(config)
     executor = llm.engine.executor

@@ -6,7 +6,8 @@
 Each conversation is a shared system prompt and its own user turns; turn k sends the whole
 history (every earlier question and the model's answers) plus a new question, streamed from
 /v1/chat/completions, greedy. `--concurrency` conversations run at once, each turn after the
-previous answer (and `--think-s`, a user's pause, if given). Per run (`ladle up --workers N`, its own Redis, LLM_PREFIX_ROUTING on or off):
+previous answer (and `--think-s`, a user's pause, if given). Per run (`ladle up --workers N`,
+its own Redis, LLM_PREFIX_ROUTING on or off):
 - prefix hit rate of turns 2+: cached prompt tokens (usage.prompt_tokens_details) over the
   possible ones: the prompt's leading full blocks shared with the previous turn's prompt and
   answer as the API tokenizes them (a worker that kept everything would hit those);

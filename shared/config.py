@@ -44,6 +44,11 @@ class Settings(BaseSettings):
         description="weight-only int8 (per channel) or int4 (groups of 32) projections, CPU; "
         "auto: as a GGUF holds them (4-bit in int4, 5-8-bit in int8) on a bf16 CPU, else none",
     )
+    lm_head_quantization: Literal["auto", "none", "int8"] = Field(
+        "none",
+        description="int8 lm_head (groups of 32, CPU native kernels): faster at 1-4 rows a "
+        "step, slower at 16 (docs/benchmarks.md); auto: where the projections are quantized",
+    )
     max_batch_size: int = Field(64, ge=1, description="cap on running sequences")
     max_num_batched_tokens: int = Field(1024, ge=16, description="token budget per step")
     kv_cache_size_mb: int = Field(512, ge=1)

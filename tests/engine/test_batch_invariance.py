@@ -89,6 +89,15 @@ def test_quantized_matmul_is_batch_invariant(mode):
     assert_rows_invariant(kernel, _rand(576, seed=11), _rand(256, 576, seed=12))
 
 
+def test_grouped_int8_matmul_is_batch_invariant():
+    from worker.layers.quant import GroupInt8Kernel, quantize_int8_groups
+
+    weight = torch.randn(960, 576, generator=torch.Generator().manual_seed(13))
+    kernel = GroupInt8Kernel(quantize_int8_groups(weight), _rand(960, seed=14))
+    assert kernel.batch_invariant
+    assert_rows_invariant(kernel, _rand(576, seed=15), _rand(256, 576, seed=16))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_attention_row_is_batch_invariant(dtype):
     """A query row over its own block table gives the same bits alone, among 15 other rows of

@@ -102,6 +102,25 @@ def test_int4_matches_the_dequantized_weight(out_features, in_features):
         torch.testing.assert_close(kernel(x).float(), expected, rtol=2**-7, atol=atol)
 
 
+@pytest.mark.parametrize("out_features,in_features", [(64, 32), (4096, 576), (208, 1536)])
+def test_grouped_int8_matches_the_dequantized_weight(out_features, in_features):
+    from worker.layers.quant import GroupInt8Kernel, quantize_int8_groups
+
+    weight = torch.randn(out_features, in_features)
+    quantized = quantize_int8_groups(weight)
+    assert quantized.group_size == 32
+    dequantized = quantized.dequantize()
+    assert float((dequantized - weight).abs().max()) <= float(weight.abs().max()) / 254 + 1e-6
+    bias = torch.randn(out_features)
+    kernel = GroupInt8Kernel(quantized, bias)
+    for rows in (1, 2, 5, 16, 17):
+        x = _bf16(rows, in_features, seed=rows)
+        expected = x.float() @ dequantized.T + bias.to(torch.bfloat16).float()
+        # one bf16 rounding of the output at the outputs' scale; the products are exact
+        atol = 2**-8 * float(expected.abs().max())
+        torch.testing.assert_close(kernel(x).float(), expected, rtol=2**-8, atol=atol)
+
+
 def test_int4_without_native_uses_torch_kernel():
     from worker.layers.quant import Int4Kernel, quantize_int4
 

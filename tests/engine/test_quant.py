@@ -14,7 +14,7 @@ from tests.support.engines import cpu_only, make_engine
 from tests.support.tiny_models import tiny_config
 from worker.engine.engine import LLMEngine
 from worker.engine.offline import LLM
-from worker.layers import quant
+from worker.layers import native, quant
 from worker.layers.linear import Linear, PackedLinear, quantize_linears
 from worker.layers.quant import (
     COMPUTE_DTYPE,
@@ -282,9 +282,17 @@ def test_quantized_engine_end_to_end(
     """A mixed batch generates with quantized weights, and every kernel (torch's and Ladle's
     native int4) gives each request exactly what it gets alone: they are batch invariant."""
     prompts = random_prompts(5, [3, 17, 40, 9, 64], seed=3)
-    engine = make_engine(tiny_model_dirs["qwen2"], quantization=mode, native_kernels=native_kernels)
+    engine = make_engine(
+        tiny_model_dirs["qwen2"],
+        quantization=mode,
+        native_kernels=native_kernels,
+        lm_head_quantization="auto",
+    )
     engines.append(engine)
     assert engine.executor.loaded.quantization == mode
+    # auto: the lm_head in int8 where Ladle's native kernel serves it
+    head = engine.executor.loaded.model.lm_head
+    assert (getattr(head.quantized, "name", None) == "int8-native") == native.loaded()
     llm = LLM(engine=engine)
     batched = token_ids(llm.generate(prompts, GREEDY))
     alone = [token_ids(llm.generate([p], GREEDY))[0] for p in prompts]

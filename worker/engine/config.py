@@ -31,6 +31,7 @@ class EngineConfig:
     model: str = _setting("model")
     dtype: str = _setting("dtype")
     quantization: str = _setting("quantization")
+    lm_head_quantization: str = _setting("lm_head_quantization")
     device: str = _setting("device")
     block_size: int = _setting("block_size")
     kv_cache_size_mb: int = _setting("kv_cache_size_mb")

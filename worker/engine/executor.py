@@ -236,6 +236,7 @@ def build_executor(config: EngineConfig) -> TorchExecutor:
         device=config.device,
         cache_dir=config.cache_dir,
         quantization=config.quantization,
+        lm_head_quantization=config.lm_head_quantization,
     )
     logger.info("model %s loaded in %.2f s", config.model, time.perf_counter() - started)
     return TorchExecutor(config, loaded)

@@ -7,16 +7,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.layers import native
 from worker.layers.changes import note_change
 from worker.layers.handles import handle_of
 from worker.layers.linear_kernels import LinearKernel
 from worker.layers.quant import (
+    GroupInt8Kernel,
     QuantizedKernel,
     QuantizedTensor,
     build_quantized_kernel,
     concat_rows,
     convert,
     quantize,
+    quantize_int8_groups,
 )
 
 
@@ -152,3 +155,37 @@ def quantize_linears(
             module.quantize_rows(chosen)
             count += 1
     return count
+
+
+LM_HEAD_MODES = ("auto", "none", "int8")
+
+
+def quantize_lm_head(model: nn.Module, mode: str) -> bool:
+    """Serve the lm_head in int8 (groups of 32, `GroupInt8Kernel`) for `mode` "int8", or for
+    "auto" where the projections are quantized; returns whether it is. A tied lm_head keeps
+    its float weight: the embeddings read it.
+
+    One decode step reads the whole lm_head (49152 x 576 on SmolLM2: a fifth of the step's
+    4-bit bytes in bf16); int8 halves that and keeps 8 bits, as llama.cpp keeps the output
+    of its 4-bit files in Q6_K or Q8_0. Only Ladle's native kernel serves it.
+    """
+    if mode not in LM_HEAD_MODES:
+        raise ValueError(f"unknown lm_head quantization {mode!r}; use {', '.join(LM_HEAD_MODES)}")
+    head = getattr(model, "lm_head", None)
+    projections = any(
+        isinstance(module, Linear) and module.quantized is not None for module in model.modules()
+    )
+    wanted = mode == "int8" or (mode == "auto" and projections)
+    if not wanted or not isinstance(head, Linear) or head.quantized is not None:
+        return False
+    weight = head.weight
+    if weight.device.type != "cpu" or not native.int8_packable(*weight.shape):
+        return False
+    bias = None if head.bias is None else head.bias.detach()
+    head.quantized = GroupInt8Kernel(quantize_int8_groups(weight), bias)
+    head.set_kernel(head.quantized)
+    others = model.named_parameters(remove_duplicate=False)
+    if not any(param is weight for name, param in others if name != "lm_head.weight"):
+        empty = torch.empty(0, dtype=weight.dtype, device=weight.device)
+        head.weight = nn.Parameter(empty, requires_grad=False)
+    return True

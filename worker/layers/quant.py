@@ -68,7 +68,7 @@ def check_quantization(mode: str, device: torch.device | str = "cpu") -> None:
 class QuantizedTensor:
     """A weight [N out, K in] as integers and scales, rows in output-feature order.
 
-    int8: `values` int8, `scales` [N]; w = q * scale.
+    int8: `values` int8, `scales` [N] (or [N, K / group] for `GroupInt8Kernel`); w = q * scale.
     int4: `values` uint8 in 0..15, `scales` and `mins` [N, K / group]; w = q * scale + min.
     """
 
@@ -83,12 +83,14 @@ class QuantizedTensor:
 
     @property
     def group_size(self) -> int:
-        return self.values.shape[1] // self.scales.shape[1] if self.mode == "int4" else 0
+        return self.values.shape[1] // self.scales.shape[1] if self.scales.dim() == 2 else 0
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight these integers stand for."""
-        if self.mode == "int8":
+        if self.mode == "int8" and self.scales.dim() == 1:
             return self.values.float() * self.scales[:, None]
+        if self.mode == "int8":
+            return self.values.float() * self.scales.repeat_interleave(self.group_size, 1)
         assert self.mins is not None
         group = self.group_size
         return self.values.float() * self.scales.repeat_interleave(
@@ -245,7 +247,37 @@ class Int4Kernel(WeightOnlyKernel):
         )
 
 
-QuantizedKernel = Int8Kernel | Int4Kernel
+class GroupInt8Kernel(WeightOnlyKernel):
+    """int8 W with one float32 scale per row and group of 32 inputs (GGUF's Q8_0 shape) on
+    Ladle's native kernel, for a quantized model's lm_head (`quantize_lm_head`): half the
+    bf16 weight's bytes, which one decode step reads whole, with 8-bit values as llama.cpp
+    keeps its output (Q6_K or Q8_0). Batch invariant (`worker/layers/native/gemm_int8.cpp`)."""
+
+    name = "int8-native"
+    batch_invariant = True
+
+    def pack(self, weight: QuantizedTensor) -> None:
+        if weight.group_size != 32:
+            raise ValueError("the native int8 kernel takes groups of 32 inputs")
+        self.native_packed = native.pack_int8(weight.values, weight.scales)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.ladle_native.gemm_int8(x, self.native_packed, self.out_features, None)
+
+
+def quantize_int8_groups(
+    weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE
+) -> QuantizedTensor:
+    """Symmetric int8 per group of `group_size` inputs (as Q8_0): scale = max |w| / 127 of the
+    group, held in float32. `scales` is [N, K / group]: only `GroupInt8Kernel` takes it."""
+    rows, cols = weight.shape
+    groups = weight.detach().float().reshape(rows, cols // group_size, group_size)
+    scales = (groups.abs().amax(dim=2) / 127).clamp(min=1e-12)
+    values = torch.round(groups / scales[..., None]).clamp(-127, 127).to(torch.int8)
+    return QuantizedTensor("int8", values.reshape(rows, cols), scales)
+
+
+QuantizedKernel = Int8Kernel | Int4Kernel | GroupInt8Kernel
 
 
 def build_quantized_kernel(weight: QuantizedTensor, bias: torch.Tensor | None) -> QuantizedKernel:

@@ -23,7 +23,7 @@ from safetensors import safe_open
 from torch import nn
 
 from shared.model_files import converted_dir, resolve_model
-from worker.layers.linear import Linear, quantize_linears
+from worker.layers.linear import Linear, quantize_linears, quantize_lm_head
 from worker.layers.quant import QuantizationUnavailable, QuantizedTensor, check_quantization
 from worker.models.errors import ModelConfigError
 from worker.models.gguf_convert import convert_gguf
@@ -138,11 +138,13 @@ def load_model(
     cache_dir: str | None = None,
     max_model_len: int | None = None,
     quantization: str = "none",
+    lm_head_quantization: str = "none",
 ) -> LoadedModel:
     """Build our model for `ref` and load its weights onto `device` in `dtype`.
 
     `quantization` "int8"/"int4" makes every projection but the lm_head weight-only
-    quantized (`worker/layers/quant.py`); embeddings, norms and the lm_head keep `dtype`.
+    quantized (`worker/layers/quant.py`); embeddings and norms keep `dtype`, and so does the
+    lm_head unless `lm_head_quantization` makes it int8 (`quantize_lm_head`).
     "auto" follows a GGUF's own types (`resolve_quantization`).
     """
     started = time.perf_counter()
@@ -161,6 +163,7 @@ def load_model(
         if quantization != "none":
             quantize_linears(model, quantization)
             quantization = precision_label(model, quantization)
+        lm_head = "int8" if quantize_lm_head(model, lm_head_quantization) else None
         model.post_load()
     model.eval()
     log_loaded(
@@ -169,6 +172,7 @@ def load_model(
         type(model).__name__,
         torch_dtype,
         f"quantization {quantization}",
+        f"lm_head {lm_head or torch_dtype}",
         torch_device,
     )
     return LoadedModel(
@@ -218,8 +222,8 @@ def precision_label(model: nn.Module, mode: str) -> str:
         return mode
     counts = Counter(
         module.quantized.name.split("-")[0]
-        for module in model.modules()
-        if isinstance(module, Linear) and module.quantized is not None
+        for name, module in model.named_modules()
+        if isinstance(module, Linear) and module.quantized is not None and name != "lm_head"
     )
     parts = [f"{name} x {count}" for name, count in sorted(counts.items())]
     return f"auto ({', '.join(parts) or 'none'})"

@@ -1,6 +1,6 @@
 """Ladle's own CPU kernels: C++ compiled on the machine at hand and loaded as torch ops.
 
-`load(cache_dir)` compiles the sources (`SOURCES`: the bf16, int4 and float32 matmuls, paged
+`load(cache_dir)` compiles the sources (`SOURCES`: the bf16, int4, int8 and float32 matmuls, paged
 attention, the small ops between matmuls) once with the system's g++ (`-march=native`, so the
 code uses exactly the instructions this CPU has) against the running torch's headers, and
 loads them with `torch.ops.load_library`; the ops then live under `torch.ops.ladle_native`.
@@ -41,6 +41,7 @@ SOURCES = tuple(
     for name in (
         "gemm_bf16.cpp",
         "gemm_int4.cpp",
+        "gemm_int8.cpp",
         "gemm_f32.cpp",
         "attention.cpp",
         "glue_bf16.cpp",
@@ -282,3 +283,21 @@ def pack_int4(values: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) ->
         return rows.view(torch.uint8).reshape(blocks, groups, 64)
 
     return torch.cat([nibbles, per_row(scales), per_row(mins)], dim=2).contiguous()
+
+
+def int8_packable(out_features: int, in_features: int) -> bool:
+    """Whether `ladle_native.gemm_int8` takes this weight shape (groups of 32 inputs)."""
+    return loaded() and out_features % 16 == 0 and in_features % 32 == 0
+
+
+def pack_int8(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] with one scale per row and group of 32 inputs ([N, K/32]; w = q s) ->
+    uint8 [N/16, K/32, 576], the layout `ladle_native.gemm_int8` streams: per block of 16
+    rows and group, 32 runs of the 16 rows' weights at one input, then their float32 scales."""
+    n, k = values.shape
+    blocks, groups = n // 16, k // 32
+    # (block, row, group, input) -> (block, group, input, row)
+    runs = values.view(torch.uint8).reshape(blocks, 16, groups, 32).permute(0, 2, 3, 1)
+    rows = scales.to(torch.float32).reshape(blocks, 16, groups).permute(0, 2, 1).contiguous()
+    scale_bytes = rows.view(torch.uint8).reshape(blocks, groups, 64)
+    return torch.cat([runs.reshape(blocks, groups, 512), scale_bytes], dim=2).contiguous()
