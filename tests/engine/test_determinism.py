@@ -35,6 +35,11 @@ PROBE = [_rng.randrange(3, 256) for _ in range(21)] + _PASSAGE * 3
 MODES = {
     "bf16": {"dtype": "bfloat16"},
     "int4": {"dtype": "bfloat16", "quantization": "int4"},
+    "int4, int8 lm_head": {
+        "dtype": "bfloat16",
+        "quantization": "int4",
+        "lm_head_quantization": "int8",
+    },
     "float32": {"dtype": "float32"},
 }
 
@@ -73,6 +78,8 @@ def test_same_request_same_answer_in_every_situation(mode: str, model_dir: Path)
     def engine(**extra: object):
         built = make_engine(model_dir, **{**settings, **extra})
         assert built.executor.deterministic, built.executor.deterministic_reason
+        if "lm_head_quantization" in settings:  # the mode must really run the int8 kernel
+            assert built.executor.loaded.model.lm_head.quantized.name == "int8-native"
         return built
 
     base = engine()
