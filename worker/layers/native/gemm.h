@@ -47,11 +47,62 @@ void parallel_items(int64_t n, int64_t chunk, const F& f) {
   });
 }
 
+// One row of x against `blocks` weight blocks, dealt to the threads in sets of `Set` (that
+// many weight streams in flight: one row is memory-bound): `set(b0)` computes blocks b0 to
+// b0 + Set - 1, `one(b)` a single block of the last, short set.
+template <int64_t Set, class SetFn, class OneFn>
+void row_sets(int64_t blocks, const SetFn& set, const OneFn& one) {
+  parallel_items((blocks + Set - 1) / Set, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s) {
+      const int64_t b0 = s * Set;
+      if (blocks - b0 >= Set) {
+        set(b0);
+      } else {
+        for (int64_t b = b0; b < blocks; ++b) one(b);
+      }
+    }
+  });
+}
+
+// M rows of x against `blocks` weight blocks, four blocks a chunk; each block's rows in
+// passes of at most `pass`: `f(block, first row, rows)`.
+template <class F>
+void block_passes(int64_t blocks, int64_t M, int64_t pass, const F& f) {
+  parallel_items(blocks, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      for (int64_t m0 = 0; m0 < M; m0 += pass) f(b, m0, std::min(pass, M - m0));
+  });
+}
+
 // The bias as float32 (undefined where there is none), checked against N outputs.
 inline at::Tensor float_bias(const c10::optional<at::Tensor>& bias, int64_t n) {
   if (!bias.has_value() || !bias->defined()) return at::Tensor();
   TORCH_CHECK(bias->numel() == n, "bias must have ", n, " values");
   return bias->to(at::kFloat).contiguous();
+}
+
+// y = x @ W^T (+ bias) for a weight packed by blocks of 16 outputs and groups of `group`
+// inputs, `group_bytes` a block's group (`mode`: "int4", "int8", for the messages): checks the
+// shapes, then `run(x, packed, bias or nullptr, y, M, N, K)` fills y (bf16 bits).
+template <class Run>
+at::Tensor grouped_gemm(const char* mode, const at::Tensor& x, const at::Tensor& packed,
+                        int64_t N, const c10::optional<at::Tensor>& bias, int64_t group,
+                        int64_t group_bytes, const Run& run) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be 2-D bf16");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(N % kRows == 0 && K % group == 0, mode, " needs out % 16 == 0 and in % ", group,
+              " == 0");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.numel() == (N / kRows) * (K / group) * group_bytes,
+              "packed must be pack_", mode, "'s uint8 layout for this shape");
+  const at::Tensor xc = x.contiguous();
+  const at::Tensor bias_f = float_bias(bias, N);
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M > 0)
+    run(reinterpret_cast<const uint16_t*>(xc.data_ptr()), packed.data_ptr<uint8_t>(),
+        bias_f.defined() ? bias_f.data_ptr<float>() : nullptr,
+        reinterpret_cast<uint16_t*>(y.data_ptr()), M, N, K);
+  return y;
 }
 
 #if defined(__AVX512F__)

@@ -137,36 +137,29 @@ void block_rows_any(int64_t rows, const uint16_t* x, int64_t ldx, const float* x
 void gemv_int4(const uint16_t* x, const uint8_t* packed, const float* bias, uint16_t* y,
                int64_t N, int64_t K) {
   constexpr int64_t kSet = 4;
-  const int64_t groups = K / kGroup, blocks = N / kRows;
-  const int64_t block_bytes = groups * kGroupBytes;
+  const int64_t groups = K / kGroup, block_bytes = groups * kGroupBytes;
   const std::vector<float> xsum = group_sums(x, 1, K);
-  const int64_t sets = (blocks + kSet - 1) / kSet;
-  parallel_items(sets, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t set = begin; set < end; ++set) {
-      const int64_t b0 = set * kSet;
-      const float* b = bias ? bias + b0 * kRows : nullptr;
-      if (blocks - b0 >= kSet) {
-        row_blocks<kSet>(x, xsum.data(), packed + b0 * block_bytes, groups, b, y + b0 * kRows);
-      } else {
-        for (int64_t i = 0; i < blocks - b0; ++i)
-          row_blocks<1>(x, xsum.data(), packed + (b0 + i) * block_bytes, groups,
-                        b ? b + i * kRows : nullptr, y + (b0 + i) * kRows);
-      }
-    }
-  });
+  const auto bias_at = [&](int64_t b) { return bias ? bias + b * kRows : nullptr; };
+  row_sets<kSet>(
+      N / kRows,
+      [&](int64_t b0) {
+        row_blocks<kSet>(x, xsum.data(), packed + b0 * block_bytes, groups, bias_at(b0),
+                         y + b0 * kRows);
+      },
+      [&](int64_t b) {
+        row_blocks<1>(x, xsum.data(), packed + b * block_bytes, groups, bias_at(b),
+                      y + b * kRows);
+      });
 }
 
 void gemm_rows(const uint16_t* x, const uint8_t* packed, const float* bias, uint16_t* y,
                int64_t M, int64_t N, int64_t K) {
-  const int64_t groups = K / kGroup, blocks = N / kRows;
-  const int64_t block_bytes = groups * kGroupBytes;
+  const int64_t groups = K / kGroup, block_bytes = groups * kGroupBytes;
   const std::vector<float> xsum = group_sums(x, M, K);
-  parallel_items(blocks, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b)
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxM)
-        block_rows_any(M - m0 < kMaxM ? M - m0 : kMaxM, x + m0 * K, K,
-                       xsum.data() + m0 * groups, groups, packed + b * block_bytes,
-                       bias ? bias + b * kRows : nullptr, y + m0 * N + b * kRows, N);
+  block_passes(N / kRows, M, kMaxM, [&](int64_t b, int64_t m0, int64_t rows) {
+    block_rows_any(rows, x + m0 * K, K, xsum.data() + m0 * groups, groups,
+                   packed + b * block_bytes, bias ? bias + b * kRows : nullptr,
+                   y + m0 * N + b * kRows, N);
   });
 }
 
@@ -174,28 +167,18 @@ void gemm_rows(const uint16_t* x, const uint8_t* packed, const float* bias, uint
 
 at::Tensor gemm_int4(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                      const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be 2-D bf16");
-  const int64_t M = x.size(0), K = x.size(1), N = out_features;
-  TORCH_CHECK(N % kRows == 0 && K % kGroup == 0, "int4 needs out % 16 == 0 and in % 32 == 0");
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  packed.numel() == (N / kRows) * (K / kGroup) * kGroupBytes,
-              "packed must be pack_int4's uint8 layout for this shape");
-  const at::Tensor xc = x.contiguous();
-  const at::Tensor bias_f = float_bias(bias, N);
-  at::Tensor y = at::empty({M, N}, x.options());
 #if defined(__AVX512BF16__)
-  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
-  const auto* pp = packed.data_ptr<uint8_t>();
-  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
-  const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
-  if (M == 1)
-    gemv_int4(xp, pp, bp, yp, N, K);
-  else if (M > 1)
-    gemm_rows(xp, pp, bp, yp, M, N, K);
+  return grouped_gemm("int4", x, packed, out_features, bias, kGroup, kGroupBytes,
+                      [](const uint16_t* xp, const uint8_t* pp, const float* bp, uint16_t* yp,
+                         int64_t M, int64_t N, int64_t K) {
+                        if (M == 1)
+                          gemv_int4(xp, pp, bp, yp, N, K);
+                        else
+                          gemm_rows(xp, pp, bp, yp, M, N, K);
+                      });
 #else
   TORCH_CHECK(false, "ladle_native.gemm_int4: built without AVX512-BF16");
 #endif
-  return y;
 }
 
 }  // namespace
