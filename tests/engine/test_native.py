@@ -102,10 +102,25 @@ def test_int4_matches_the_dequantized_weight(out_features, in_features):
         torch.testing.assert_close(kernel(x).float(), expected, rtol=2**-7, atol=atol)
 
 
+def _require_int8() -> None:
+    if not native.int8_packable(16, 32):
+        pytest.skip("the int8 kernel needs AVX512-VNNI")
+
+
+def _q8_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x quantized per row and group of 32 as the int8 kernel does: d = max |x| / 127."""
+    groups = x.float().reshape(x.shape[0], -1, 32)
+    d = groups.abs().amax(dim=2) / 127
+    inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = torch.round(groups * inverse[..., None]).clamp(-127, 127)
+    return q, d
+
+
 @pytest.mark.parametrize("out_features,in_features", [(64, 32), (4096, 576), (208, 1536)])
-def test_grouped_int8_matches_the_dequantized_weight(out_features, in_features):
+def test_grouped_int8_computes_the_q8_dot_products(out_features, in_features):
     from worker.layers.quant import GroupInt8Kernel, quantize_int8_groups
 
+    _require_int8()
     weight = torch.randn(out_features, in_features)
     quantized = quantize_int8_groups(weight)
     assert quantized.group_size == 32
@@ -113,12 +128,34 @@ def test_grouped_int8_matches_the_dequantized_weight(out_features, in_features):
     assert float((dequantized - weight).abs().max()) <= float(weight.abs().max()) / 254 + 1e-6
     bias = torch.randn(out_features)
     kernel = GroupInt8Kernel(quantized, bias)
-    for rows in (1, 2, 5, 16, 17):
+    w_groups = quantized.values.double().reshape(out_features, -1, 32)
+    for rows in (1, 2, 5, 8, 9, 16, 17):
         x = _bf16(rows, in_features, seed=rows)
-        expected = x.float() @ dequantized.T + bias.to(torch.bfloat16).float()
-        # one bf16 rounding of the output at the outputs' scale; the products are exact
+        q, d = _q8_activations(x)
+        # exact integer sums per group, scaled by both scales: the kernel's arithmetic
+        sums = torch.einsum("mgk,ngk->mng", q.double(), w_groups)
+        scales = d.double()[:, None, :] * quantized.scales.double()[None]
+        expected = (sums * scales).sum(dim=2) + bias.to(torch.bfloat16).double()
+        # float32 scaling and sum over groups, then one bf16 rounding of the output
         atol = 2**-8 * float(expected.abs().max())
-        torch.testing.assert_close(kernel(x).float(), expected, rtol=2**-8, atol=atol)
+        torch.testing.assert_close(kernel(x).double(), expected, rtol=2**-8, atol=atol)
+        # and close to the float product: int8 activations cost about a bf16 rounding more
+        exact = x.double() @ weight.double().T + bias.to(torch.bfloat16).double()
+        assert float((kernel(x).double() - exact).abs().max()) < 0.05 * float(exact.abs().max())
+
+
+def test_grouped_int8_propagates_nan_and_zero_rows():
+    from worker.layers.quant import GroupInt8Kernel, quantize_int8_groups
+
+    _require_int8()
+    kernel = GroupInt8Kernel(quantize_int8_groups(torch.randn(32, 64)), None)
+    x = torch.zeros(3, 64, dtype=torch.bfloat16)
+    x[1, 5] = float("nan")
+    x[2, 40] = 1.0
+    y = kernel(x).float()
+    assert torch.equal(y[0], torch.zeros(32))
+    assert bool(y[1].isnan().all())
+    assert bool(y[2].isfinite().all()) and float(y[2].abs().max()) > 0
 
 
 def test_int4_without_native_uses_torch_kernel():

@@ -286,18 +286,26 @@ def pack_int4(values: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) ->
 
 
 def int8_packable(out_features: int, in_features: int) -> bool:
-    """Whether `ladle_native.gemm_int8` takes this weight shape (groups of 32 inputs)."""
-    return loaded() and out_features % 16 == 0 and in_features % 32 == 0
+    """Whether `ladle_native.gemm_int8` takes this weight shape (groups of 32 inputs) on this
+    CPU (it needs AVX512-VNNI besides the bf16 kernels' AVX512-BF16)."""
+    return (
+        loaded()
+        and bool(torch.ops.ladle_native.int8_available())
+        and out_features % 16 == 0
+        and in_features % 32 == 0
+    )
 
 
 def pack_int8(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """int8 [N, K] with one scale per row and group of 32 inputs ([N, K/32]; w = q s) ->
     uint8 [N/16, K/32, 576], the layout `ladle_native.gemm_int8` streams: per block of 16
-    rows and group, 32 runs of the 16 rows' weights at one input, then their float32 scales."""
+    rows and group, 8 chunks of 64 bytes (lane n: row n's next 4 weights, each + 128, as
+    `vpdpbusd`'s unsigned operand), then the 16 rows' float32 scales."""
     n, k = values.shape
     blocks, groups = n // 16, k // 32
-    # (block, row, group, input) -> (block, group, input, row)
-    runs = values.view(torch.uint8).reshape(blocks, 16, groups, 32).permute(0, 2, 3, 1)
+    biased = (values.to(torch.int16) + 128).to(torch.uint8)
+    # (block, row, group, chunk, byte) -> (block, group, chunk, row, byte)
+    chunks = biased.reshape(blocks, 16, groups, 8, 4).permute(0, 2, 3, 1, 4)
     rows = scales.to(torch.float32).reshape(blocks, 16, groups).permute(0, 2, 1).contiguous()
     scale_bytes = rows.view(torch.uint8).reshape(blocks, groups, 64)
-    return torch.cat([runs.reshape(blocks, groups, 512), scale_bytes], dim=2).contiguous()
+    return torch.cat([chunks.reshape(blocks, groups, 512), scale_bytes], dim=2).contiguous()
