@@ -14,7 +14,8 @@
 
 A variant is a dtype (`float32`, `bfloat16`) or a quantization (`int8`, `int4`, `auto`: a
 GGUF's tensors as the file holds them; run with bf16 embeddings, norms and lm_head, the
-default dtype on CPUs with native bf16; `int8/float32` keeps those in float32).
+default dtype on CPUs with native bf16; `int8/float32` keeps those in float32; a `+int8head`
+suffix, e.g. `int4+int8head`, serves the lm_head in int8 as LLM_LM_HEAD_QUANTIZATION=int8).
 Prompts: the chat template over short varied user questions (real text, not random ids), or
 the questions as plain text for a model without a chat template (a base model).
 """
@@ -71,7 +72,9 @@ def questions(count: int) -> list[str]:
 
 def build_llm(model: str, variant: str) -> LLM:
     """The offline engine for `variant`: a dtype, or a quantization over bf16 ("int8") or
-    over another dtype for the rest of the model ("int8/float32")."""
+    over another dtype for the rest of the model ("int8/float32"); "+int8head" serves the
+    lm_head in int8 too (LLM_LM_HEAD_QUANTIZATION=int8)."""
+    variant, plus, _ = variant.partition("+int8head")
     name, _, rest_dtype = variant.partition("/")
     quantized = name in QUANTIZED
     return LLM(
@@ -82,6 +85,7 @@ def build_llm(model: str, variant: str) -> LLM:
             device="cpu",
             kv_cache_size_mb=256,
             enable_prefix_caching=False,
+            lm_head_quantization="int8" if plus else "none",
         )
     )
 

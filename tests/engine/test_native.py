@@ -407,3 +407,45 @@ def test_plain_linear_baseline_is_untouched():
     # the plain kernel is F.linear whatever the native state: the exactness tests' kernel
     w, x = torch.randn(32, 16), torch.randn(3, 16)
     assert torch.equal(build_kernel("plain", w, None)(x), F.linear(x, w))
+
+
+def test_int8_lm_head_quantizes_from_the_checkpoint_values():
+    """A tied lm_head quantized from the checkpoint's float32 values (a GGUF's Q8_0 dequantized)
+    gets the file's own integers and scales back, which its bf16 copy would not give."""
+    from torch import nn
+
+    from worker.layers.linear import Linear, head_sources, quantize_lm_head
+
+    _require_int8()
+    q = torch.randint(-127, 128, (64, 64), generator=torch.Generator().manual_seed(3))
+    q[:, ::32] = 127  # every Q8_0 group holds its extreme value
+    scales = torch.rand(64, 2, generator=torch.Generator().manual_seed(4)).half().float()
+    file_values = (q.float().reshape(64, 2, 32) * scales[..., None]).reshape(64, 64)
+
+    def model_with_tied_head() -> nn.Module:
+        model = nn.Module()
+        model.model = nn.Module()
+        model.model.embed_tokens = nn.Embedding(64, 64, dtype=torch.bfloat16)
+        model.lm_head = Linear(64, 64, bias=False, dtype=torch.bfloat16)
+        model.lm_head.weight = model.model.embed_tokens.weight
+        with torch.no_grad():
+            model.lm_head.weight.copy_(file_values)
+        return model
+
+    kept: dict[str, torch.Tensor] = {}
+    loaded = list(head_sources(iter([("model.embed_tokens.weight", file_values)]), kept))
+    assert [name for name, _ in loaded] == ["model.embed_tokens.weight"]
+    exact, from_bf16 = model_with_tied_head(), model_with_tied_head()
+    assert quantize_lm_head(exact, "int8", kept)
+    assert quantize_lm_head(from_bf16, "int8")
+    x = _bf16(3, 64)
+    expected = _int8_kernel(q, scales)(x)
+    assert torch.equal(exact.lm_head(x), expected)
+    assert exact.lm_head.weight is exact.model.embed_tokens.weight  # the embeddings keep it
+    assert not torch.equal(from_bf16.lm_head(x), expected)
+
+
+def _int8_kernel(q: torch.Tensor, scales: torch.Tensor):
+    from worker.layers.quant import GroupInt8Kernel, QuantizedTensor
+
+    return GroupInt8Kernel(QuantizedTensor("int8", q.to(torch.int8), scales), None)

@@ -3,6 +3,8 @@ and fused (packed) projections."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -158,12 +160,30 @@ def quantize_linears(
 
 
 LM_HEAD_MODES = ("auto", "none", "int8")
+# Where a checkpoint keeps the lm_head's weight, or the embeddings a tied one shares.
+HEAD_SOURCE_NAMES = ("lm_head.weight", "model.embed_tokens.weight")
 
 
-def quantize_lm_head(model: nn.Module, mode: str) -> bool:
+def head_sources(
+    weights: Iterator[tuple[str, object]], keep: dict[str, torch.Tensor]
+) -> Iterator[tuple[str, object]]:
+    """`weights` unchanged, keeping the float tensors of `HEAD_SOURCE_NAMES` in `keep`."""
+    for name, tensor in weights:
+        if name in HEAD_SOURCE_NAMES and isinstance(tensor, torch.Tensor):
+            keep[name] = tensor
+        yield name, tensor
+
+
+def quantize_lm_head(
+    model: nn.Module, mode: str, sources: dict[str, torch.Tensor] | None = None
+) -> bool:
     """Serve the lm_head in int8 (groups of 32, `GroupInt8Kernel`) for `mode` "int8", or for
     "auto" where the projections are quantized; returns whether it is. A tied lm_head keeps
     its float weight: the embeddings read it.
+
+    `sources` (checkpoint name -> tensor as the checkpoint held it, `head_sources`) gives
+    the weight before its cast to the model's dtype: a GGUF's Q8_0 output or embedding,
+    dequantized to float32, quantizes back to the file's own integers and scales exactly.
 
     One decode step reads the whole lm_head (49152 x 576 on SmolLM2: a fifth of the step's
     4-bit bytes in bf16); int8 halves that and keeps 8 bits, as llama.cpp keeps the output
@@ -182,7 +202,11 @@ def quantize_lm_head(model: nn.Module, mode: str) -> bool:
     if weight.device.type != "cpu" or not native.int8_packable(*weight.shape):
         return False
     bias = None if head.bias is None else head.bias.detach()
-    head.quantized = GroupInt8Kernel(quantize_int8_groups(weight), bias)
+    names = {n for n, p in model.named_parameters(remove_duplicate=False) if p is weight}
+    source = next((sources[n] for n in sorted(names) if n in (sources or {})), None)
+    if source is None or tuple(source.shape) != tuple(weight.shape):
+        source = weight
+    head.quantized = GroupInt8Kernel(quantize_int8_groups(source), bias)
     head.set_kernel(head.quantized)
     others = model.named_parameters(remove_duplicate=False)
     if not any(param is weight for name, param in others if name != "lm_head.weight"):

@@ -23,7 +23,7 @@ from safetensors import safe_open
 from torch import nn
 
 from shared.model_files import converted_dir, resolve_model
-from worker.layers.linear import Linear, quantize_linears, quantize_lm_head
+from worker.layers.linear import Linear, head_sources, quantize_linears, quantize_lm_head
 from worker.layers.quant import QuantizationUnavailable, QuantizedTensor, check_quantization
 from worker.models.errors import ModelConfigError
 from worker.models.gguf_convert import convert_gguf
@@ -159,11 +159,16 @@ def load_model(
         model = build_model(config, model_len)
     materialize(model, torch_device)
     with torch.no_grad():
-        model.load_weights(_checkpoint(ref, model_dir, config, quantization))
+        weights = _checkpoint(ref, model_dir, config, quantization)
+        sources: dict[str, torch.Tensor] = {}
+        if lm_head_quantization != "none":  # the head quantizes from the checkpoint's values
+            weights = head_sources(weights, sources)
+        model.load_weights(weights)
         if quantization != "none":
             quantize_linears(model, quantization)
             quantization = precision_label(model, quantization)
-        lm_head = "int8" if quantize_lm_head(model, lm_head_quantization) else None
+        lm_head = "int8" if quantize_lm_head(model, lm_head_quantization, sources) else None
+        sources.clear()
         model.post_load()
     model.eval()
     log_loaded(
