@@ -251,7 +251,8 @@ class GroupInt8Kernel(WeightOnlyKernel):
     """int8 W with one float32 scale per row and group of 32 inputs (GGUF's Q8_0 shape) on
     Ladle's native kernel, for a quantized model's lm_head (`quantize_lm_head`): half the
     bf16 weight's bytes, which one decode step reads whole, with 8-bit values as llama.cpp
-    keeps its output (Q6_K or Q8_0). Batch invariant (`worker/layers/native/gemm_int8.cpp`)."""
+    keeps its output (Q6_K or Q8_0), and x quantized to int8 per group of 32 as llama.cpp
+    does for its Q8_0 dots. Batch invariant (`worker/layers/native/gemm_int8.cpp`)."""
 
     name = "int8-native"
     batch_invariant = True
