@@ -1,7 +1,8 @@
-// What the matmul kernels (gemm_bf16.cpp, gemm_int4.cpp, gemm_f32.cpp) share.
+// What the matmul kernels (gemm_bf16.cpp, gemm_int4.cpp, gemm_int8.cpp, gemm_f32.cpp) share.
 //
 // Batch invariance: every kernel computes an output element of row m from row m of x alone,
-// with the same sequence of float32 operations whatever M is and however many threads run.
+// with the same sequence of float32 (or exact integer) operations whatever M is and however
+// many threads run.
 // Threads split output blocks of 16 columns, never the sum over K; row counts only change how
 // many rows share a weight load, never how a row is summed.
 #pragma once
