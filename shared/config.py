@@ -47,7 +47,7 @@ class Settings(BaseSettings):
     lm_head_quantization: Literal["auto", "none", "int8"] = Field(
         "none",
         description="int8 lm_head (groups of 32, int8 activations, CPU native kernels with "
-        "AVX512-VNNI): ~10% faster for one client, ~12% slower for 16, slightly less exact "
+        "AVX512-VNNI): ~10% faster for one client, within noise at 16, slightly less exact "
         "(docs/benchmarks.md); auto: where the projections are quantized",
     )
     max_batch_size: int = Field(64, ge=1, description="cap on running sequences")
