@@ -53,8 +53,22 @@ def test_measured_threads_are_chosen_per_kind_of_step_and_reported(
         while engine.has_unfinished_requests():
             engine.step()
         choices = engine.stats().step_threads
-        assert set(choices) == {"prefill", f"decode<={engine.executor.kernel_plan.bucket_for(1)}"}
+        decode = f"decode<={engine.executor.kernel_plan.bucket_for(1)}"
+        assert set(choices) == {"prefill<=16", decode}  # the 4-token prompt's bucket
         assert all(threads in (1, 2) for threads in choices.values())
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     finally:
         torch.set_num_threads(before)
+
+
+def test_prefill_steps_are_compared_by_size() -> None:
+    from worker.engine.executor import prefill_kind
+
+    assert [prefill_kind(n) for n in (1, 16, 17, 100, 1024, 1025)] == [
+        "prefill<=16",
+        "prefill<=16",
+        "prefill<=32",
+        "prefill<=128",
+        "prefill<=1024",
+        "prefill<=2048",
+    ]

@@ -30,6 +30,17 @@ from worker.models.loader import LoadedModel, load_model
 logger = logging.getLogger(__name__)
 
 
+def prefill_kind(num_tokens: int) -> str:
+    """The thread chooser's kind for a step with prefill: by its tokens, to the next power of
+    two (from 16). One kind for every size compared a 5-token tail's wall time with a
+    1,024-token chunk's, so a probe that landed on a small step moved every prefill to one
+    thread (seen in `llm_step_threads`, docs/benchmarks.md)."""
+    bucket = 16
+    while bucket < num_tokens:
+        bucket *= 2
+    return f"prefill<={bucket}"
+
+
 class Executor(Protocol):
     max_model_len: int
     vocab_size: int
@@ -146,7 +157,7 @@ class TorchExecutor:
             kind = f"decode<={self.kernel_plan.bucket_for(rows)}"
             threads = self.threads.pick(kind) if self._measured_threads else self.decode_threads
         else:
-            kind = "prefill"
+            kind = prefill_kind(sum(c.num_tokens for c in chunks))
             threads = self.threads.pick(kind) if self._measured_threads else self.num_threads
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
@@ -157,7 +168,7 @@ class TorchExecutor:
 
     def _initial_threads(self, kind: str) -> int:
         """A kind's first choice: the kernel plan's measured count for decode, all for prefill."""
-        if kind == "prefill":
+        if kind.startswith("prefill"):
             return self.num_threads
         return self.decode_threads_for(int(kind.removeprefix("decode<=")))
 
