@@ -16,6 +16,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace ladle {
 
@@ -73,6 +74,22 @@ void block_passes(int64_t blocks, int64_t M, int64_t pass, const F& f) {
     for (int64_t b = begin; b < end; ++b)
       for (int64_t m0 = 0; m0 < M; m0 += pass) f(b, m0, std::min(pass, M - m0));
   });
+}
+
+// f(std::integral_constant<int, m>{}) for m = min(rows, kMaxM), rows >= 1: the row count of a
+// pass as a template argument, so each count's sums stay in registers.
+template <class F>
+void with_rows(int64_t rows, const F& f) {
+  switch (rows) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    default: return f(std::integral_constant<int, kMaxM>{});
+  }
 }
 
 // The bias as float32 (undefined where there is none), checked against N outputs.

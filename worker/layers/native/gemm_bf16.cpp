@@ -75,16 +75,7 @@ inline void block_dot(const uint16_t* block, const uint16_t* x, int64_t ldx, int
 
 void block_rows(int64_t rows, const uint16_t* block, const uint16_t* x, int64_t ldx,
                 int64_t pairs, float* out) {
-  switch (rows) {
-    case 1: return block_dot<1>(block, x, ldx, pairs, out);
-    case 2: return block_dot<2>(block, x, ldx, pairs, out);
-    case 3: return block_dot<3>(block, x, ldx, pairs, out);
-    case 4: return block_dot<4>(block, x, ldx, pairs, out);
-    case 5: return block_dot<5>(block, x, ldx, pairs, out);
-    case 6: return block_dot<6>(block, x, ldx, pairs, out);
-    case 7: return block_dot<7>(block, x, ldx, pairs, out);
-    default: return block_dot<8>(block, x, ldx, pairs, out);
-  }
+  with_rows(rows, [&](auto m) { block_dot<decltype(m)::value>(block, x, ldx, pairs, out); });
 }
 
 // One row of x against NB blocks at once: NB streams from memory in flight rather than one,

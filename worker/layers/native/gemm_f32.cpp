@@ -51,16 +51,7 @@ inline void block_dot(const float* block, const float* x, int64_t ldx, int64_t K
 
 void block_rows(int64_t rows, const float* block, const float* x, int64_t ldx, int64_t K,
                 const float* bias, float* y, int64_t ldy) {
-  switch (rows) {
-    case 1: return block_dot<1>(block, x, ldx, K, bias, y, ldy);
-    case 2: return block_dot<2>(block, x, ldx, K, bias, y, ldy);
-    case 3: return block_dot<3>(block, x, ldx, K, bias, y, ldy);
-    case 4: return block_dot<4>(block, x, ldx, K, bias, y, ldy);
-    case 5: return block_dot<5>(block, x, ldx, K, bias, y, ldy);
-    case 6: return block_dot<6>(block, x, ldx, K, bias, y, ldy);
-    case 7: return block_dot<7>(block, x, ldx, K, bias, y, ldy);
-    default: return block_dot<8>(block, x, ldx, K, bias, y, ldy);
-  }
+  with_rows(rows, [&](auto m) { block_dot<decltype(m)::value>(block, x, ldx, K, bias, y, ldy); });
 }
 
 // One row against NB blocks at once: NB weight streams in flight.

@@ -119,21 +119,6 @@ void block_rows(const uint16_t* x, int64_t ldx, const float* xsum, int64_t group
   for (int m = 0; m < M; ++m) store_bf16(y + m * ldy, with_bias(out[m], bias));
 }
 
-void block_rows_any(int64_t rows, const uint16_t* x, int64_t ldx, const float* xsum,
-                    int64_t groups, const uint8_t* block, const float* bias, uint16_t* y,
-                    int64_t ldy) {
-  switch (rows) {
-    case 1: return block_rows<1>(x, ldx, xsum, groups, block, bias, y, ldy);
-    case 2: return block_rows<2>(x, ldx, xsum, groups, block, bias, y, ldy);
-    case 3: return block_rows<3>(x, ldx, xsum, groups, block, bias, y, ldy);
-    case 4: return block_rows<4>(x, ldx, xsum, groups, block, bias, y, ldy);
-    case 5: return block_rows<5>(x, ldx, xsum, groups, block, bias, y, ldy);
-    case 6: return block_rows<6>(x, ldx, xsum, groups, block, bias, y, ldy);
-    case 7: return block_rows<7>(x, ldx, xsum, groups, block, bias, y, ldy);
-    default: return block_rows<8>(x, ldx, xsum, groups, block, bias, y, ldy);
-  }
-}
-
 void gemv_int4(const uint16_t* x, const uint8_t* packed, const float* bias, uint16_t* y,
                int64_t N, int64_t K) {
   constexpr int64_t kSet = 4;
@@ -157,9 +142,11 @@ void gemm_rows(const uint16_t* x, const uint8_t* packed, const float* bias, uint
   const int64_t groups = K / kGroup, block_bytes = groups * kGroupBytes;
   const std::vector<float> xsum = group_sums(x, M, K);
   block_passes(N / kRows, M, kMaxM, [&](int64_t b, int64_t m0, int64_t rows) {
-    block_rows_any(rows, x + m0 * K, K, xsum.data() + m0 * groups, groups,
-                   packed + b * block_bytes, bias ? bias + b * kRows : nullptr,
-                   y + m0 * N + b * kRows, N);
+    with_rows(rows, [&](auto m) {
+      block_rows<decltype(m)::value>(x + m0 * K, K, xsum.data() + m0 * groups, groups,
+                                     packed + b * block_bytes, bias ? bias + b * kRows : nullptr,
+                                     y + m0 * N + b * kRows, N);
+    });
   });
 }
 

@@ -88,7 +88,7 @@ inline __m512 group_out(__m512 out, const uint8_t* group, __m512i sum, float dx,
 
 template <int NB>
 void row_blocks(const int8_t* q, const float* d, const int32_t* off, const uint8_t* first_block,
-                   int64_t groups, const float* bias, uint16_t* y) {
+                int64_t groups, const float* bias, uint16_t* y) {
   const int64_t block_bytes = groups * kGroupBytes;
   __m512 out[NB];
   for (int n = 0; n < NB; ++n) out[n] = _mm512_setzero_ps();
@@ -104,15 +104,15 @@ void row_blocks(const int8_t* q, const float* d, const int32_t* off, const uint8
     }
     for (int n = 0; n < NB; ++n)
       out[n] = group_out(out[n], first_block + n * block_bytes + g * kGroupBytes, acc[n], d[g],
-                            off[g]);
+                         off[g]);
   }
   for (int n = 0; n < NB; ++n)
     store_bf16(y + n * kRows, with_bias(out[n], bias ? bias + n * kRows : nullptr));
 }
 
 template <int M>
-void block_rows(const QuantizedX& x, int64_t m0, int64_t K, int64_t groups,
-                   const uint8_t* block, const float* bias, uint16_t* y, int64_t ldy) {
+void block_rows(const QuantizedX& x, int64_t m0, int64_t K, int64_t groups, const uint8_t* block,
+                const float* bias, uint16_t* y, int64_t ldy) {
   __m512 out[M];
   for (int m = 0; m < M; ++m) out[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
@@ -132,22 +132,8 @@ void block_rows(const QuantizedX& x, int64_t m0, int64_t K, int64_t groups,
   for (int m = 0; m < M; ++m) store_bf16(y + m * ldy, with_bias(out[m], bias));
 }
 
-void block_rows_any(int64_t rows, const QuantizedX& x, int64_t m0, int64_t K, int64_t groups,
-                       const uint8_t* block, const float* bias, uint16_t* y, int64_t ldy) {
-  switch (rows) {
-    case 1: return block_rows<1>(x, m0, K, groups, block, bias, y, ldy);
-    case 2: return block_rows<2>(x, m0, K, groups, block, bias, y, ldy);
-    case 3: return block_rows<3>(x, m0, K, groups, block, bias, y, ldy);
-    case 4: return block_rows<4>(x, m0, K, groups, block, bias, y, ldy);
-    case 5: return block_rows<5>(x, m0, K, groups, block, bias, y, ldy);
-    case 6: return block_rows<6>(x, m0, K, groups, block, bias, y, ldy);
-    case 7: return block_rows<7>(x, m0, K, groups, block, bias, y, ldy);
-    default: return block_rows<8>(x, m0, K, groups, block, bias, y, ldy);
-  }
-}
-
-void run_int8(const uint16_t* xp, const uint8_t* packed, const float* bias, uint16_t* y, int64_t M,
-            int64_t N, int64_t K) {
+void run_int8(const uint16_t* xp, const uint8_t* packed, const float* bias, uint16_t* y,
+              int64_t M, int64_t N, int64_t K) {
   const QuantizedX x = quantized(xp, M, K);
   const int64_t groups = K / kGroup, block_bytes = groups * kGroupBytes;
   if (M == 1) {
@@ -157,17 +143,19 @@ void run_int8(const uint16_t* xp, const uint8_t* packed, const float* bias, uint
         N / kRows,
         [&](int64_t b0) {
           row_blocks<kSet>(x.q.data(), x.d.data(), x.off.data(), packed + b0 * block_bytes,
-                              groups, bias_at(b0), y + b0 * kRows);
+                           groups, bias_at(b0), y + b0 * kRows);
         },
         [&](int64_t b) {
-          row_blocks<1>(x.q.data(), x.d.data(), x.off.data(), packed + b * block_bytes,
-                           groups, bias_at(b), y + b * kRows);
+          row_blocks<1>(x.q.data(), x.d.data(), x.off.data(), packed + b * block_bytes, groups,
+                        bias_at(b), y + b * kRows);
         });
     return;
   }
   block_passes(N / kRows, M, kMaxM, [&](int64_t b, int64_t m0, int64_t rows) {
-    block_rows_any(rows, x, m0, K, groups, packed + b * block_bytes,
-                      bias ? bias + b * kRows : nullptr, y + m0 * N + b * kRows, N);
+    with_rows(rows, [&](auto m) {
+      block_rows<decltype(m)::value>(x, m0, K, groups, packed + b * block_bytes,
+                                     bias ? bias + b * kRows : nullptr, y + m0 * N + b * kRows, N);
+    });
   });
 }
 
