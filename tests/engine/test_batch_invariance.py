@@ -24,7 +24,7 @@ THREADS = (1, 2)
 
 @pytest.fixture(scope="module", autouse=True)
 def loaded_native():
-    require_native()
+    require_native(bf16=False)  # the float32 kernels build for AVX2 too; bf16 ones skip below
     previous = torch.get_num_threads()
     yield
     torch.set_num_threads(previous)
@@ -79,6 +79,7 @@ def test_float32_matmul_is_batch_invariant(shape, bias):
 def test_quantized_matmul_is_batch_invariant(mode):
     from worker.layers.quant import Int4Kernel, Int8Kernel, quantize_int4, quantize_int8
 
+    require_native(bf16=True)
     weight = torch.randn(960, 576, generator=torch.Generator().manual_seed(9))
     if mode == "int4":
         kernel = Int4Kernel(quantize_int4(weight), _rand(960, seed=10))
@@ -105,6 +106,8 @@ def test_grouped_int8_matmul_is_batch_invariant():
 def test_attention_row_is_batch_invariant(dtype):
     """A query row over its own block table gives the same bits alone, among 15 other rows of
     other lengths, or among the other rows of its own prefill."""
+    if dtype == torch.bfloat16:
+        require_native(bf16=True)
     heads, kv_heads, head_dim, block_size, num_blocks = 9, 3, 64, 16, 48
     k_cache = _rand(kv_heads, num_blocks, block_size, head_dim, seed=13, dtype=dtype)
     v_cache = _rand(kv_heads, num_blocks, block_size, head_dim, seed=14, dtype=dtype)
@@ -143,6 +146,7 @@ def _other_table(table: list[int], i: int, rng: random.Random, num_blocks: int) 
 
 
 def test_small_ops_are_batch_invariant():
+    require_native(bf16=True)
     ops = torch.ops.ladle_native
     weight = _rand(576, seed=17)
     filler, probe = _rand(256, 576, seed=18), _rand(576, seed=19)
@@ -156,13 +160,20 @@ def test_small_ops_are_batch_invariant():
     assert_rows_invariant(ops.silu_mul_bf16, _rand(3072, seed=21), _rand(256, 3072, seed=22))
 
 
+def _model_dtype() -> str:
+    """bf16 where its kernels build, else float32 (the AVX2 kernels)."""
+    from worker.layers import native
+
+    return "bfloat16" if native.bf16() else "float32"
+
+
 def test_invariant_plan_gives_each_group_one_kernel(tmp_path):
     from tests.support.tiny_models import tiny_model_dir
     from worker.engine.autotune import choose_kernels
     from worker.models.loader import load_model
 
     path = tiny_model_dir("llama", tmp_path, hidden_size=128, intermediate_size=256)
-    model = load_model(str(path), dtype="bfloat16", device="cpu").model
+    model = load_model(str(path), dtype=_model_dtype(), device="cpu").model
     plan = choose_kernels(model, "auto", 16, 2, str(tmp_path), invariant=True)
     assert plan.invariant
     for group, by_bucket in plan.kernels.items():
@@ -177,7 +188,7 @@ def test_one_invariant_kernel_per_group_is_used_without_timing(tmp_path, monkeyp
     from worker.models.loader import load_model
 
     path = tiny_model_dir("llama", tmp_path, hidden_size=128, intermediate_size=256)
-    model = load_model(str(path), dtype="bfloat16", device="cpu").model
+    model = load_model(str(path), dtype=_model_dtype(), device="cpu").model
     names = [n for n in autotune.kernel_names() if n != "amx"]
     monkeypatch.setattr(autotune, "kernel_names", lambda: names)
 
@@ -225,7 +236,8 @@ def test_moe_block_is_batch_invariant():
     moe = SparseMoE(
         64, MoESpec(num_experts=16, top_k=4, intermediate_size=32, normalize_top_k=False)
     )
-    moe = moe.bfloat16()
+    dtype = getattr(torch, _model_dtype())
+    moe = moe.to(dtype)
     for module in moe.modules():  # the router too: 16 outputs, the native kernel's minimum
         if isinstance(module, Linear):
             module.weight.data.normal_(0, 0.1)
@@ -233,4 +245,6 @@ def test_moe_block_is_batch_invariant():
             assert kernel is not None, tuple(module.weight.shape)
             module.set_kernel(kernel)
     with torch.inference_mode():
-        assert_rows_invariant(moe, _rand(64, seed=5), _rand(256, 64, seed=6))
+        assert_rows_invariant(
+            moe, _rand(64, seed=5, dtype=dtype), _rand(256, 64, seed=6, dtype=dtype)
+        )

@@ -37,17 +37,28 @@ pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="CPU kernels")
 
 @pytest.fixture(scope="module", autouse=True)
 def loaded_native():
-    require_native()
+    require_native(bf16=False)  # the float32 matmul and attention build for AVX2 too
     previous = torch.get_num_threads()
     torch.set_num_threads(2)  # the kernels split work over threads: cover the split
     yield
     torch.set_num_threads(previous)
 
 
+# the tests of the bf16, int4 and int8 kernels and the fused small ops: AVX512-BF16 only
+bf16_only = pytest.mark.bf16_kernels
+
+
+@pytest.fixture(autouse=True)
+def _bf16_kernels(request):
+    if request.node.get_closest_marker("bf16_kernels"):
+        require_native(bf16=True)
+
+
 def _bf16(*shape: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).bfloat16()
 
 
+@bf16_only
 @pytest.mark.parametrize("name", ["native", "amx"])
 @pytest.mark.parametrize("out_features,in_features", [(64, 32), (960, 576), (192, 1536)])
 @pytest.mark.parametrize("bias", [False, True])
@@ -67,6 +78,7 @@ def test_gemm_matches_float32_product(name, out_features, in_features, bias):
         torch.testing.assert_close(got.float(), expected, rtol=2**-8, atol=1e-2)
 
 
+@bf16_only
 def test_unpackable_shapes_are_not_offered():
     assert build_kernel("native", _bf16(65, 32), None) is None  # rows not a multiple of 16
     assert build_kernel("native", _bf16(64, 33), None) is None  # bf16 needs input pairs
@@ -85,6 +97,7 @@ def test_float32_gemm_matches_float64_product(out_features, in_features, bias):
         torch.testing.assert_close(kernel(x).double(), expected, rtol=1e-5, atol=1e-5)
 
 
+@bf16_only
 @pytest.mark.parametrize("out_features,in_features", [(64, 32), (960, 576), (208, 1536)])
 def test_int4_matches_the_dequantized_weight(out_features, in_features):
     from worker.layers.quant import Int4Kernel, quantize_int4
@@ -116,6 +129,7 @@ def _q8_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, d
 
 
+@bf16_only
 @pytest.mark.parametrize("out_features,in_features", [(64, 32), (4096, 576), (208, 1536)])
 def test_grouped_int8_computes_the_q8_dot_products(out_features, in_features):
     from worker.layers.quant import GroupInt8Kernel, quantize_int8_groups
@@ -144,6 +158,7 @@ def test_grouped_int8_computes_the_q8_dot_products(out_features, in_features):
         assert float((kernel(x).double() - exact).abs().max()) < 0.05 * float(exact.abs().max())
 
 
+@bf16_only
 def test_grouped_int8_propagates_nan_and_zero_rows():
     from worker.layers.quant import GroupInt8Kernel, quantize_int8_groups
 
@@ -158,6 +173,7 @@ def test_grouped_int8_propagates_nan_and_zero_rows():
     assert bool(y[2].isfinite().all()) and float(y[2].abs().max()) > 0
 
 
+@bf16_only
 def test_int4_without_native_uses_torch_kernel():
     from worker.layers.quant import Int4Kernel, quantize_int4
 
@@ -173,11 +189,13 @@ def test_int4_without_native_uses_torch_kernel():
     torch.testing.assert_close(kernel(x).float(), native_kernel(x).float(), rtol=0.02, atol=0.05)
 
 
-def _decode_case(rows: int, heads: int, kv_heads: int, head_dim: int, seed: int):
+def _decode_case(
+    rows: int, heads: int, kv_heads: int, head_dim: int, seed: int, dtype=torch.bfloat16
+):
     block_size, num_blocks = 16, 64
     rng = random.Random(seed)
-    k_cache = _bf16(kv_heads, num_blocks, block_size, head_dim, seed=seed)
-    v_cache = _bf16(kv_heads, num_blocks, block_size, head_dim, seed=seed + 1)
+    k_cache = _bf16(kv_heads, num_blocks, block_size, head_dim, seed=seed).to(dtype)
+    v_cache = _bf16(kv_heads, num_blocks, block_size, head_dim, seed=seed + 1).to(dtype)
     lens = [rng.randrange(1, 200) for _ in range(rows)]
     max_blocks = max(-(-n // block_size) for n in lens)
     tables = torch.tensor([rng.sample(range(num_blocks), max_blocks) for _ in lens])
@@ -190,13 +208,26 @@ def _decode_case(rows: int, heads: int, kv_heads: int, head_dim: int, seed: int)
         decode_mask=mask,
         decode_context_lens=torch.tensor(lens),
     )
-    q = _bf16(rows, heads, head_dim, seed=seed + 2)
+    q = _bf16(rows, heads, head_dim, seed=seed + 2).to(dtype)
     return q, k_cache, v_cache, meta
 
 
+# bf16 attention (AVX512-BF16) and float32 attention (AVX2 or AVX-512); bf16 results within
+# bf16's rounding of a float32 reference, float32 ones within float32's
+DTYPES = [
+    pytest.param(torch.bfloat16, marks=bf16_only, id="bf16"),
+    pytest.param(torch.float32, id="float32"),
+]
+
+
+def _tolerance(dtype: torch.dtype) -> dict:
+    return dict(rtol=2**-7, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
-def test_paged_decode_matches_eager_attention(heads, kv_heads, head_dim):
-    q, k_cache, v_cache, meta = _decode_case(7, heads, kv_heads, head_dim, seed=head_dim)
+def test_paged_decode_matches_eager_attention(heads, kv_heads, head_dim, dtype):
+    q, k_cache, v_cache, meta = _decode_case(7, heads, kv_heads, head_dim, head_dim, dtype)
     scale = head_dim**-0.5
     got = torch.ops.ladle_native.paged_attention_rows(
         q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
@@ -210,16 +241,17 @@ def test_paged_decode_matches_eager_attention(heads, kv_heads, head_dim):
         qf = q[row].float().view(kv_heads, heads // kv_heads, head_dim)
         expected = ((qf @ k.transpose(1, 2)) * scale).softmax(-1) @ v
         torch.testing.assert_close(
-            got[row].float(), expected.reshape(heads, head_dim), rtol=2**-7, atol=2e-2
+            got[row].float(), expected.reshape(heads, head_dim), **_tolerance(dtype)
         )
     # and the eager path (bf16 scores, so looser) agrees too
     eager = _decode_eager(q, k_cache, v_cache, meta, AttentionOptions(scale))
     torch.testing.assert_close(got.float(), eager.float(), rtol=0.05, atol=0.05)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("window", [1, 5, 16, 37])
-def test_paged_decode_with_a_window_matches_eager_attention(window):
-    q, k_cache, v_cache, meta = _decode_case(7, 8, 2, 64, seed=window)
+def test_paged_decode_with_a_window_matches_eager_attention(window, dtype):
+    q, k_cache, v_cache, meta = _decode_case(7, 8, 2, 64, window, dtype)
     options = AttentionOptions(0.125, window=window)
     got = native.attention_rows(
         q,
@@ -248,10 +280,11 @@ def test_paged_decode_with_a_window_matches_eager_attention(window):
     assert torch.equal(alone[0], got[row])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("softcap,window", [(50.0, None), (5.0, None), (5.0, 9)])
-def test_paged_decode_with_a_softcap_matches_float32(softcap, window):
+def test_paged_decode_with_a_softcap_matches_float32(softcap, window, dtype):
     kv_heads, heads, head_dim, scale = 2, 8, 64, 0.125
-    q, k_cache, v_cache, meta = _decode_case(7, heads, kv_heads, head_dim, seed=int(softcap))
+    q, k_cache, v_cache, meta = _decode_case(7, heads, kv_heads, head_dim, int(softcap), dtype)
     q = q * 4  # scores of several units, where tanh's cap bends them
     starts = meta.decode_starts(window)
     got = native.attention_rows(
@@ -274,7 +307,7 @@ def test_paged_decode_with_a_softcap_matches_float32(softcap, window):
         scores = torch.tanh((qf @ k.transpose(1, 2)) * scale / softcap) * softcap
         expected = scores.softmax(-1) @ v
         torch.testing.assert_close(
-            got[row].float(), expected.reshape(heads, head_dim), rtol=2**-7, atol=2e-2
+            got[row].float(), expected.reshape(heads, head_dim), **_tolerance(dtype)
         )
     uncapped = native.attention_rows(
         q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale, starts
@@ -283,7 +316,7 @@ def test_paged_decode_with_a_softcap_matches_float32(softcap, window):
 
 
 def test_paged_decode_refuses_a_table_too_short():
-    q, k_cache, v_cache, meta = _decode_case(2, 4, 2, 32, seed=3)
+    q, k_cache, v_cache, meta = _decode_case(2, 4, 2, 32, 3, torch.float32)
     lens = meta.decode_context_lens.clone()
     lens[0] = meta.decode_block_tables.shape[1] * 16 + 1
     with pytest.raises(RuntimeError, match="does not fit its block table"):
@@ -292,6 +325,7 @@ def test_paged_decode_refuses_a_table_too_short():
         )
 
 
+@bf16_only
 def test_paged_attention_reads_q_in_place_from_a_fused_qkv():
     _, k_cache, v_cache, meta = _decode_case(5, 8, 2, 64, seed=9)
     qkv = _bf16(5, 8 + 4, 64, seed=10)
@@ -301,6 +335,7 @@ def test_paged_attention_reads_q_in_place_from_a_fused_qkv():
     assert torch.equal(strided, torch.ops.ladle_native.paged_attention_rows(q.contiguous(), *args))
 
 
+@bf16_only
 def test_write_kv_equals_index_copy():
     k_cache, v_cache = _bf16(3, 10, 16, 64, seed=4), _bf16(3, 10, 16, 64, seed=5)
     # strided k/v, as they come out of a fused qkv
@@ -316,6 +351,7 @@ def test_write_kv_equals_index_copy():
         torch.ops.ladle_native.write_kv_bf16(k, v, k_cache, v_cache, slots + 150)
 
 
+@bf16_only
 @pytest.mark.parametrize("size", [64, 576, 100])  # 100: a masked tail
 def test_norms_match_eager(size):
     norm = RMSNorm(size, 1e-5).to(torch.bfloat16)
@@ -329,6 +365,7 @@ def test_norms_match_eager(size):
     torch.testing.assert_close(normed, norm(x + residual), rtol=2**-7, atol=1e-3)
 
 
+@bf16_only
 @pytest.mark.parametrize("size", [128, 1536, 40])
 def test_silu_mul_matches_eager(size):
     x = _bf16(3, 2 * size, seed=10) * 4
@@ -336,6 +373,7 @@ def test_silu_mul_matches_eager(size):
     torch.testing.assert_close(got, SiluAndMul()(x), rtol=2**-7, atol=1e-3)
 
 
+@bf16_only
 @pytest.mark.parametrize("head_dim", [64, 32, 40])
 def test_rotary_in_place_equals_eager(head_dim):
     params = {"rope_type": "default", "rope_theta": 10000.0}
@@ -361,6 +399,7 @@ def bf16_model_dir(tmp_path_factory):
     return path
 
 
+@bf16_only
 def test_native_forward_matches_eager_forward(bf16_model_dir):
     loaded = load_model(str(bf16_model_dir), dtype="bfloat16", device="cpu")
     prompt = [random.Random(12).randrange(3, 256) for _ in range(40)]
@@ -371,6 +410,7 @@ def test_native_forward_matches_eager_forward(bf16_model_dir):
     assert torch.equal(native_logits.argmax(-1), eager_logits.argmax(-1))
 
 
+@bf16_only
 def test_engine_runs_native_and_frees_every_block(bf16_model_dir):
     engine = make_test_engine(bf16_model_dir, dtype="bfloat16", linear_kernel="auto")
     assert engine.executor.kernels["forward"] == "native"
@@ -409,6 +449,7 @@ def test_plain_linear_baseline_is_untouched():
     assert torch.equal(build_kernel("plain", w, None)(x), F.linear(x, w))
 
 
+@bf16_only
 def test_int8_lm_head_quantizes_from_the_checkpoint_values():
     """A tied lm_head quantized from the checkpoint's float32 values (a GGUF's Q8_0 dequantized)
     gets the file's own integers and scales back, which its bf16 copy would not give."""

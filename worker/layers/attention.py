@@ -154,13 +154,13 @@ def _sdpa(
 
 
 def _native(cache: torch.Tensor) -> bool:
-    """Whether Ladle's native kernels serve this cache (bf16 or float32, on a CPU where they
-    loaded)."""
-    return (
-        cache.dtype in (torch.bfloat16, torch.float32)
-        and cache.device.type == "cpu"
-        and native.loaded()
-    )
+    """Whether Ladle's native kernels serve this cache (bf16 where the CPU has AVX512-BF16,
+    float32 where they loaded)."""
+    if cache.device.type != "cpu":
+        return False
+    if cache.dtype == torch.bfloat16:
+        return native.bf16()
+    return cache.dtype == torch.float32 and native.loaded()
 
 
 def rows_supported(cache: torch.Tensor, num_heads: int) -> bool:

@@ -135,7 +135,7 @@ class NativeKernel:
 
     The weight is packed once and streamed front to back; x's rows share each load. Each row
     is summed in one fixed order whatever the row and thread counts (batch invariant). Built
-    only where the native ops loaded (a C++ compiler and a CPU with AVX512-BF16).
+    only where the native ops loaded (a C++ compiler; bf16 weights need AVX512-BF16).
     """
 
     name = "native"

@@ -152,7 +152,7 @@ class DecoderForCausalLM(nn.Module):
         whether they do. Chosen once, at load."""
         chosen = (
             enabled
-            and native.loaded()
+            and native.bf16()
             and self.lm_head.weight.device.type == "cpu"
             and self.model.embed_tokens.weight.dtype == torch.bfloat16
             and self.spec.head_dim % 2 == 0

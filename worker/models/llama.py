@@ -177,7 +177,7 @@ class LlamaForCausalLM(nn.Module):
         param = self.lm_head.weight
         chosen = (
             enabled
-            and native.loaded()
+            and native.bf16()
             and param.device.type == "cpu"
             and self.model.embed_tokens.weight.dtype == torch.bfloat16
             and head_dim_of(self.config) % 2 == 0

@@ -68,7 +68,7 @@ class LayerStack:
         self._built_at = -1  # `num_changes()` when built
 
     def for_step(self, layers: nn.ModuleList, num_tokens: int) -> NativeStack | None:
-        if not native.loaded() or torch.compiler.is_compiling():
+        if not native.bf16() or torch.compiler.is_compiling():
             return None
         meta = current_attention_metadata()
         if meta is None or not step_fits(meta, num_tokens):

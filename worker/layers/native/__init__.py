@@ -11,7 +11,10 @@ milliseconds (a first build takes ~20 s). `make install` builds it once more int
 environment (`python -m worker.prepare`, under `{sys.prefix}/share/ladle/native/`), where a
 start with an empty cache finds it under the same name.
 
-Nothing depends on it: where there is no compiler, the build fails, or the CPU lacks the
+The bf16 kernels (bf16, int4 and int8 matmuls, bf16 attention, the fused small ops) need
+AVX512-BF16 (`bf16()`); the float32 matmul and float32 attention, all that a batch-invariant
+float32 model needs, also build for AVX2 with FMA (`vec16.h`: AMD Zen 2/3, older Intel).
+Nothing depends on them: where there is no compiler, the build fails, or the CPU lacks the
 instructions, `load` says why in one log line and returns False, and the kernels built on it
 (`worker/layers/linear_kernels.py`) do not apply, so the autotuner never offers them.
 `LLM_NATIVE_KERNELS=false` skips the build and uses none of them.
@@ -48,7 +51,7 @@ SOURCES = tuple(
         "stack_bf16.cpp",
     )
 )
-HEADERS = (_HERE / "vec_bf16.h", _HERE / "gemm.h")
+HEADERS = (_HERE / "vec_bf16.h", _HERE / "vec16.h", _HERE / "gemm.h")
 BUILD_TIMEOUT_S = 600
 _state: dict[str, object] = {}  # "loaded": bool, "reason": str (why not)
 
@@ -169,8 +172,10 @@ def load(cache_dir: str | None = None) -> bool:
             if built:
                 _build(compiler, path)
             torch.ops.load_library(str(path))
-            loaded = bool(torch.ops.ladle_native.available())
-            reason = "" if loaded else "this CPU has no AVX512-BF16"
+            ops = torch.ops.ladle_native
+            loaded = bool(ops.available()) or bool(ops.f32_available())
+            reason = "" if loaded else "this CPU has neither AVX512-BF16 nor AVX2 with FMA"
+            _state["bf16"] = loaded and bool(ops.available())
             how = "built at" if built else "loaded from"
             logger.info("native kernels %s %s (%.1f s)", how, path, time.perf_counter() - started)
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
@@ -203,11 +208,20 @@ def loaded() -> bool:
     return bool(_state.get("loaded")) and bool(_state.get("enabled", True))
 
 
+def bf16() -> bool:
+    """Whether the bf16 kernels (bf16, int4 and int8 matmuls, bf16 attention, the fused small
+    ops, the layer stack) are in use: a CPU with AVX512-BF16. A CPU with only AVX2 and FMA has
+    the float32 matmul and float32 attention alone, which are what batch invariance needs."""
+    return loaded() and bool(_state.get("bf16"))
+
+
 def status() -> str:
     """In one phrase, for logs: loaded, not tried, or why not."""
     if "loaded" not in _state:
         return "not tried"
-    return "loaded" if _state["loaded"] else str(_state["reason"])
+    if not _state["loaded"]:
+        return str(_state["reason"])
+    return "loaded" if _state.get("bf16") else "loaded (float32 only: no AVX512-BF16 here)"
 
 
 def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
@@ -223,11 +237,11 @@ def pack_f32(weight: torch.Tensor) -> torch.Tensor:
 
 
 def packable(weight: torch.Tensor) -> bool:
-    """Whether `pack_bf16` or `pack_f32` takes this weight (and a native matmul serves it)."""
+    """Whether `pack_bf16` or `pack_f32` takes this weight and a native matmul serves it here."""
     n, k = weight.shape
     if weight.dtype == torch.float32:
-        return n % 16 == 0
-    return weight.dtype == torch.bfloat16 and n % 16 == 0 and k % 2 == 0
+        return loaded() and n % 16 == 0
+    return weight.dtype == torch.bfloat16 and bf16() and n % 16 == 0 and k % 2 == 0
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -259,12 +273,12 @@ def attention_rows(
 
 def amx_usable(out_features: int, in_features: int) -> bool:
     """Whether `gemm_bf16(..., amx=True)` takes the AMX path for this weight shape here."""
-    return loaded() and bool(torch.ops.ladle_native.amx_usable(out_features, in_features))
+    return bf16() and bool(torch.ops.ladle_native.amx_usable(out_features, in_features))
 
 
 def int4_packable(out_features: int, in_features: int, group_size: int) -> bool:
     """Whether `ladle_native.gemm_int4` takes this int4 weight (groups of 32 inputs)."""
-    return loaded() and group_size == 32 and out_features % 16 == 0 and in_features % 32 == 0
+    return bf16() and group_size == 32 and out_features % 16 == 0 and in_features % 32 == 0
 
 
 def pack_int4(values: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
@@ -289,7 +303,7 @@ def int8_packable(out_features: int, in_features: int) -> bool:
     """Whether `ladle_native.gemm_int8` takes this weight shape (groups of 32 inputs) on this
     CPU (it needs AVX512-VNNI besides the bf16 kernels' AVX512-BF16)."""
     return (
-        loaded()
+        bf16()
         and bool(torch.ops.ladle_native.int8_available())
         and out_features % 16 == 0
         and in_features % 32 == 0

@@ -15,8 +15,8 @@
 // sums side by side in registers). A thread keeps the positions' offsets of the last table it
 // walked, so the rows of one prefill (one table) cost no address arithmetic per position.
 // Reduction order, per row: a score is one chain over the head's 16-feature chunks in order,
-// then its 16 lanes summed by `sum_lanes16` (the same tree for every key); the softmax total
-// sums position p into lane (p - start) % 16, then the lanes in `_mm512_reduce_add_ps`'s
+// then its 16 lanes summed by `sum_lanes` (vec16.h: the same tree for every key); the softmax total
+// sums position p into lane (p - start) % 16, then the lanes in `v_reduce_add`'s
 // tree; the value sum is one FMA chain over positions in order.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -25,7 +25,7 @@
 #include <immintrin.h>
 
 #include "gemm.h"
-#include "vec_bf16.h"
+#include "vec16.h"
 
 #include <cmath>
 #include <cstdint>
@@ -35,34 +35,15 @@
 
 namespace {
 
-#if defined(__AVX512BF16__)
-
 using namespace ladle;
+
+#if defined(LADLE_V16)
 
 constexpr int kMaxGroup = 16;  // query heads per KV head
 constexpr int64_t kKeys = 16;  // keys scored together
 
-// out[j] = the sum of a[j]'s 16 lanes, by one fixed tree for every j: lanes l and l+8, then
-// l and l+4, l and l+2, l and l+1. Transposing as it adds costs 15 adds for 16 sums.
-inline __m512 sum_lanes16(const __m512* a) {
-  __m512 b[8], c[4], d[2];
-  for (int i = 0; i < 8; ++i)  // 256-bit halves: a[2i] in lanes 0-7, a[2i+1] in 8-15
-    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  for (int i = 0; i < 4; ++i)  // quadrant q of c[i]: a[4i + q]
-    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  for (int i = 0; i < 2; ++i)
-    d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  // lane 4k + l holds a[4l + k]'s sum: put it at lane 4l + k
-  const __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                 _mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  return _mm512_permutexvar_ps(order, e);
-}
-
 // How one element type is read and written: bf16 (pairs into vdpbf16ps) or float32.
+#if defined(__AVX512BF16__)
 struct Bf16 {
   using T = uint16_t;
   static constexpr int kPerChunk = 32;  // features per score step
@@ -74,17 +55,16 @@ struct Bf16 {
   static __m512 load16(const T* v) { return bf16_to_f32(v); }
   static void store16(T* dst, __m512 v) { store_bf16(dst, v); }
 };
+#endif  // __AVX512BF16__
 
 struct F32 {
   using T = float;
   static constexpr int kPerChunk = 16;
-  using Q = __m512;
-  static Q load_q(const T* q) { return _mm512_loadu_ps(q); }
-  static __m512 dot_step(__m512 acc, const T* k, Q q) {
-    return _mm512_fmadd_ps(_mm512_loadu_ps(k), q, acc);
-  }
-  static __m512 load16(const T* v) { return _mm512_loadu_ps(v); }
-  static void store16(T* dst, __m512 v) { _mm512_storeu_ps(dst, v); }
+  using Q = V16;
+  static Q load_q(const T* q) { return v_load(q); }
+  static V16 dot_step(V16 acc, const T* k, Q q) { return v_fmadd(v_load(k), q, acc); }
+  static V16 load16(const T* v) { return v_load(v); }
+  static void store16(T* dst, V16 v) { v_store(dst, v); }
 };
 
 struct Cache {
@@ -119,11 +99,10 @@ class Positions {
 };
 
 // x -> cap * tanh(x / cap), with tanh(y) = 1 - 2 / (exp(2y) + 1): the soft-capping of Gemma 2.
-inline __m512 softcap_ps(__m512 x, float cap) {
-  const __m512 e = exp_ps(_mm512_mul_ps(x, _mm512_set1_ps(2.0f / cap)));
-  const __m512 t = _mm512_sub_ps(_mm512_set1_ps(1.0f),
-                                 _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, _mm512_set1_ps(1.0f))));
-  return _mm512_mul_ps(t, _mm512_set1_ps(cap));
+inline V16 softcap_ps(V16 x, float cap) {
+  const V16 e = v_exp(v_mul(x, v_set1(2.0f / cap)));
+  const V16 t = v_sub(v_set1(1.0f), v_div(v_set1(2.0f), v_add(e, v_set1(1.0f))));
+  return v_mul(t, v_set1(cap));
 }
 
 // The cache rows of positions [from, min(from + kKeys, end)) on their way into cache: a row's
@@ -158,38 +137,36 @@ void score(const typename E::T* q, int64_t q_head_stride, int G, const typename 
     for (int64_t j = 0; j < kKeys; ++j)  // past the end: the last key again, ignored
       keys[j] = keys_base + offs[first + p0 + (j < n ? j : n - 1)];
     prefetch_rows<E, D>(keys_base, offs, first + p0 + kKeys, first + len);
-    const __mmask16 valid = tail_mask(n);
     for (int g = 0; g < G; ++g) {
-      __m512 acc[kKeys];
+      V16 acc[kKeys];
       for (int64_t j = 0; j < kKeys; ++j) {
-        acc[j] = _mm512_setzero_ps();
+        acc[j] = v_zero();
         for (int i = 0; i < C; ++i) acc[j] = E::dot_step(acc[j], keys[j] + E::kPerChunk * i, qv[g][i]);
       }
-      __m512 s = _mm512_mul_ps(sum_lanes16(acc), _mm512_set1_ps(scale));
+      V16 s = v_mul(sum_lanes(acc), v_set1(scale));
       if (cap > 0.0f) s = softcap_ps(s, cap);
-      _mm512_mask_storeu_ps(scores + g * len + p0, valid, s);
-      maxes[g] = std::fmax(maxes[g], _mm512_mask_reduce_max_ps(valid, s));
+      v_store_first(scores + g * len + p0, s, n);
+      maxes[g] = std::fmax(maxes[g], v_max_first(s, n));
     }
   }
 }
 
 // Each head's row of scores becomes exp(score - max), in place; returns 1 / their total.
 inline float exponentiate(float* row, int64_t len, float max) {
-  const __m512 mx = _mm512_set1_ps(max);
-  __m512 total = _mm512_setzero_ps();
+  const V16 mx = v_set1(max);
+  V16 total = v_zero();
   int64_t p = 0;
   for (; p + 16 <= len; p += 16) {
-    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(row + p), mx));
-    _mm512_storeu_ps(row + p, e);
-    total = _mm512_add_ps(total, e);
+    const V16 e = v_exp(v_sub(v_load(row + p), mx));
+    v_store(row + p, e);
+    total = v_add(total, e);
   }
   if (p < len) {
-    const __mmask16 tail = tail_mask(len - p);
-    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + p), mx));
-    _mm512_mask_storeu_ps(row + p, tail, e);
-    total = _mm512_add_ps(total, _mm512_maskz_mov_ps(tail, e));
+    const V16 e = v_exp(v_sub(v_load_first(row + p, len - p), mx));
+    v_store_first(row + p, e, len - p);
+    total = v_add(total, v_keep_first(e, len - p));
   }
-  return 1.0f / _mm512_reduce_add_ps(total);
+  return 1.0f / v_reduce_add(total);
 }
 
 // Query heads that share one pass over the values: as many as keep their sums in registers.
@@ -203,22 +180,22 @@ void weigh_values(const typename E::T* values_base, const int64_t* offs, int64_t
                   int64_t len, const float* weights, int64_t weights_stride, const float* inv,
                   typename E::T* out, int64_t out_head_stride) {
   constexpr int V = D / 16;
-  __m512 acc[N][V];
+  V16 acc[N][V];
   for (int g = 0; g < N; ++g)
-    for (int i = 0; i < V; ++i) acc[g][i] = _mm512_setzero_ps();
+    for (int i = 0; i < V; ++i) acc[g][i] = v_zero();
   for (int64_t p = 0; p < len; ++p) {
     if (p % kKeys == 0) prefetch_rows<E, D>(values_base, offs, first + p + kKeys, first + len);
     const typename E::T* value = values_base + offs[first + p];
-    __m512 v[V];
+    V16 v[V];
     for (int i = 0; i < V; ++i) v[i] = E::load16(value + 16 * i);
     for (int g = 0; g < N; ++g) {
-      const __m512 w = _mm512_set1_ps(weights[g * weights_stride + p]);
-      for (int i = 0; i < V; ++i) acc[g][i] = _mm512_fmadd_ps(w, v[i], acc[g][i]);
+      const V16 w = v_set1(weights[g * weights_stride + p]);
+      for (int i = 0; i < V; ++i) acc[g][i] = v_fmadd(w, v[i], acc[g][i]);
     }
   }
   for (int g = 0; g < N; ++g)
     for (int i = 0; i < V; ++i)
-      E::store16(out + g * out_head_stride + 16 * i, _mm512_mul_ps(acc[g][i], _mm512_set1_ps(inv[g])));
+      E::store16(out + g * out_head_stride + 16 * i, v_mul(acc[g][i], v_set1(inv[g])));
 }
 
 template <class E, int D, int N = 1>
@@ -312,7 +289,7 @@ void attend_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   });
 }
 
-#endif  // __AVX512BF16__
+#endif  // LADLE_V16
 
 void check_cache(const at::Tensor& cache, const char* name) {
   TORCH_CHECK(cache.dim() == 4 && cache.is_contiguous() &&
@@ -371,8 +348,12 @@ at::Tensor paged_attention_rows(const at::Tensor& q, const at::Tensor& k_cache,
     attend_rows<Bf16>(qc, k_cache, v_cache, tc, first, lens, scale, softcap, out);
   else
     attend_rows<F32>(qc, k_cache, v_cache, tc, first, lens, scale, softcap, out);
+#elif defined(LADLE_V16)
+  TORCH_CHECK(q.scalar_type() == at::kFloat,
+              "ladle_native.paged_attention_rows: bf16 needs AVX512-BF16 (float32 only here)");
+  attend_rows<F32>(qc, k_cache, v_cache, tc, first, lens, scale, softcap, out);
 #else
-  TORCH_CHECK(false, "ladle_native.paged_attention_rows: built without AVX512-BF16");
+  TORCH_CHECK(false, "ladle_native.paged_attention_rows: built without AVX512-BF16 or AVX2");
 #endif
   return out;
 }

@@ -35,9 +35,9 @@
 
 namespace {
 
-#if defined(__AVX512BF16__)
-
 using namespace ladle;
+
+#if defined(__AVX512BF16__)
 
 // The two sums of one row and block (see the header): every path below runs exactly this.
 constexpr int kSums = 2;

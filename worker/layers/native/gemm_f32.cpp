@@ -1,4 +1,4 @@
-// float32 matmul on AVX-512: y[M, N] = x[M, K] @ W[N, K]^T (+ bias).
+// float32 matmul on AVX-512 or AVX2 (vec16.h): y[M, N] = x[M, K] @ W[N, K]^T (+ bias).
 //
 // MKL's sgemm picks its blocking by the number of rows, so a row's result changes with the
 // batch; this kernel is here so that float32 models are batch invariant too.
@@ -15,38 +15,39 @@
 #include <immintrin.h>
 
 #include "gemm.h"
+#include "vec16.h"
 
 #include <cstdint>
 
 namespace {
 
-#if defined(__AVX512F__)
-
 using namespace ladle;
+
+#if defined(LADLE_V16)
 
 constexpr int kSums = 2;
 
 template <int M>
 inline void block_dot(const float* block, const float* x, int64_t ldx, int64_t K,
                       const float* bias, float* y, int64_t ldy) {
-  __m512 acc[M][kSums];
+  V16 acc[M][kSums];
   for (int m = 0; m < M; ++m)
-    for (int u = 0; u < kSums; ++u) acc[m][u] = _mm512_setzero_ps();
+    for (int u = 0; u < kSums; ++u) acc[m][u] = v_zero();
   int64_t k = 0;
   for (; k + kSums <= K; k += kSums) {
-    __m512 w[kSums];
-    for (int u = 0; u < kSums; ++u) w[u] = _mm512_loadu_ps(block + (k + u) * kRows);
+    V16 w[kSums];
+    for (int u = 0; u < kSums; ++u) w[u] = v_load(block + (k + u) * kRows);
     for (int m = 0; m < M; ++m)
       for (int u = 0; u < kSums; ++u)
-        acc[m][u] = _mm512_fmadd_ps(w[u], _mm512_set1_ps(x[m * ldx + k + u]), acc[m][u]);
+        acc[m][u] = v_fmadd(w[u], v_set1(x[m * ldx + k + u]), acc[m][u]);
   }
   for (; k < K; ++k) {
-    const __m512 w = _mm512_loadu_ps(block + k * kRows);
+    const V16 w = v_load(block + k * kRows);
     for (int m = 0; m < M; ++m)
-      acc[m][0] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[m * ldx + k]), acc[m][0]);
+      acc[m][0] = v_fmadd(w, v_set1(x[m * ldx + k]), acc[m][0]);
   }
   for (int m = 0; m < M; ++m)
-    _mm512_storeu_ps(y + m * ldy, with_bias(_mm512_add_ps(acc[m][0], acc[m][1]), bias));
+    v_store(y + m * ldy, v_bias(v_add(acc[m][0], acc[m][1]), bias));
 }
 
 void block_rows(int64_t rows, const float* block, const float* x, int64_t ldx, int64_t K,
@@ -57,21 +58,21 @@ void block_rows(int64_t rows, const float* block, const float* x, int64_t ldx, i
 // One row against NB blocks at once: NB weight streams in flight.
 template <int NB>
 void row_blocks(const float* x, const float* first_block, int64_t K, const float* bias, float* y) {
-  __m512 acc[NB][kSums];
+  V16 acc[NB][kSums];
   for (int n = 0; n < NB; ++n)
-    for (int u = 0; u < kSums; ++u) acc[n][u] = _mm512_setzero_ps();
+    for (int u = 0; u < kSums; ++u) acc[n][u] = v_zero();
   int64_t k = 0;
   for (; k + kSums <= K; k += kSums)
     for (int n = 0; n < NB; ++n)
       for (int u = 0; u < kSums; ++u)
-        acc[n][u] = _mm512_fmadd_ps(_mm512_loadu_ps(first_block + (n * K + k + u) * kRows),
-                                    _mm512_set1_ps(x[k + u]), acc[n][u]);
+        acc[n][u] = v_fmadd(v_load(first_block + (n * K + k + u) * kRows),
+                                    v_set1(x[k + u]), acc[n][u]);
   for (; k < K; ++k)
     for (int n = 0; n < NB; ++n)
-      acc[n][0] = _mm512_fmadd_ps(_mm512_loadu_ps(first_block + (n * K + k) * kRows),
-                                  _mm512_set1_ps(x[k]), acc[n][0]);
+      acc[n][0] = v_fmadd(v_load(first_block + (n * K + k) * kRows),
+                                  v_set1(x[k]), acc[n][0]);
   for (int n = 0; n < NB; ++n)
-    _mm512_storeu_ps(y + n * kRows, with_bias(_mm512_add_ps(acc[n][0], acc[n][1]),
+    v_store(y + n * kRows, v_bias(v_add(acc[n][0], acc[n][1]),
                                               bias ? bias + n * kRows : nullptr));
 }
 
@@ -103,7 +104,7 @@ void gemm(const float* x, const float* packed, const float* bias, float* y, int6
   });
 }
 
-#endif  // __AVX512F__
+#endif  // LADLE_V16
 
 at::Tensor gemm_f32(const at::Tensor& x, const at::Tensor& packed,
                     const c10::optional<at::Tensor>& bias) {
@@ -116,21 +117,32 @@ at::Tensor gemm_f32(const at::Tensor& x, const at::Tensor& packed,
   const at::Tensor xc = x.contiguous();
   const at::Tensor bias_f = float_bias(bias, N);
   at::Tensor y = at::empty({M, N}, x.options());
-#if defined(__AVX512F__)
+#if defined(LADLE_V16)
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   if (M == 1)
     gemv(xc.data_ptr<float>(), packed.data_ptr<float>(), bp, y.data_ptr<float>(), N, K);
   else if (M > 1)
     gemm(xc.data_ptr<float>(), packed.data_ptr<float>(), bp, y.data_ptr<float>(), M, N, K);
 #else
-  TORCH_CHECK(false, "ladle_native.gemm_f32: built without AVX-512");
+  TORCH_CHECK(false, "ladle_native.gemm_f32: built without AVX-512 or AVX2");
 #endif
   return y;
+}
+
+// Whether the float32 kernels (this matmul and float32 paged attention) are built: AVX-512
+// or AVX2 + FMA (vec16.h), where the bf16 ones need AVX512-BF16 (`available`).
+bool f32_available() {
+#if defined(LADLE_V16)
+  return true;
+#else
+  return false;
+#endif
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ladle_native, m) {
+  m.def("f32_available() -> bool", &f32_available);
   m.def("gemm_f32(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
 }
 
