@@ -46,9 +46,9 @@ class Settings(BaseSettings):
     )
     lm_head_quantization: Literal["auto", "none", "int8"] = Field(
         "none",
-        description="int8 lm_head (groups of 32, int8 activations, CPU native kernels with "
-        "AVX512-VNNI): ~10% faster for one client, within noise at 16, slightly less exact "
-        "(docs/benchmarks.md); auto: where the projections are quantized",
+        description="int8 lm_head (groups of 32, int8 activations, CPU native kernels: "
+        "AVX512-VNNI, or AVX2 on float32): ~10% faster for one client, within noise at 16, "
+        "slightly less exact (docs/benchmarks.md); auto: where the projections are quantized",
     )
     max_batch_size: int = Field(64, ge=1, description="cap on running sequences")
     max_num_batched_tokens: int = Field(1024, ge=16, description="token budget per step")

@@ -90,6 +90,22 @@ def test_quantized_matmul_is_batch_invariant(mode):
     assert_rows_invariant(kernel, _rand(576, seed=11), _rand(256, 576, seed=12))
 
 
+def test_int4_on_float32_is_batch_invariant():
+    """`gemm_int4_f32` (AVX2; float32 x quantized per group of 32): exact integer sums."""
+    from worker.layers import native
+    from worker.layers.quant import quantize_int4
+
+    weight = quantize_int4(torch.randn(960, 576, generator=torch.Generator().manual_seed(17)))
+    packed = native.pack_int4(weight.values, weight.scales, weight.mins)
+    bias = _rand(960, seed=18, dtype=torch.float32)
+
+    def kernel(x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.ladle_native.gemm_int4_f32(x, packed, 960, bias)
+
+    probe, filler = (_rand(256, 576, seed=s, dtype=torch.float32) for s in (19, 20))
+    assert_rows_invariant(kernel, probe[0], filler)
+
+
 def test_grouped_int8_matmul_is_batch_invariant():
     from worker.layers import native
     from worker.layers.quant import GroupInt8Kernel, quantize_int8_groups

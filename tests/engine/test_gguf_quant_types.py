@@ -125,7 +125,7 @@ def _unpacked_meta(packed: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch
     return as_rows[0], as_rows[1]
 
 
-@pytest.mark.skipif(not native.load(), reason="native kernels unavailable here")
+@pytest.mark.skipif(not (native.load() and native.bf16()), reason="no native bf16 kernels here")
 def test_int4_kernel_on_q4_k_is_the_dequantized_matmul(typed_gguf) -> None:
     path, raw = typed_gguf
     piece = next(p for _, p in gguf_entries(path, {"model_type": "qwen2"}) if p.kind == "Q4_K")

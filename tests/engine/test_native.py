@@ -158,6 +158,80 @@ def test_grouped_int8_computes_the_q8_dot_products(out_features, in_features):
         assert float((kernel(x).double() - exact).abs().max()) < 0.05 * float(exact.abs().max())
 
 
+@pytest.mark.parametrize("out_features,in_features", [(64, 32), (960, 576), (208, 1536)])
+def test_int4_on_float32_computes_the_q8_dot_products(out_features, in_features):
+    """`gemm_int4_f32` (float32 x, AVX2): x quantized per group of 32, exact integer products
+    with the nibbles, then s d P + m d S per group in float32."""
+    from worker.layers.quant import quantize_int4
+
+    weight = quantize_int4(torch.randn(out_features, in_features))
+    packed = native.pack_int4(weight.values, weight.scales, weight.mins)
+    bias = torch.randn(out_features)
+    q_w = weight.values.double().reshape(out_features, -1, 32)
+    dequantized = weight.dequantize().double()
+    for rows in (1, 2, 7, 8, 9, 17):
+        x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
+        got = torch.ops.ladle_native.gemm_int4_f32(x, packed, out_features, bias).double()
+        p, d = _q8_activations(x)
+        products = torch.einsum("mgk,ngk->mng", p.double(), q_w)  # P per row, output, group
+        d = d.double()[:, None, :]
+        expected = (weight.scales.double()[None] * d * products).sum(2)
+        expected += (weight.mins.double()[None] * d * p.double().sum(2)[:, None, :]).sum(2)
+        expected += bias.double()
+        scale = float(expected.abs().max())
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6 * scale)
+        # and close to the float product: the int8 activations' rounding, no more
+        exact = x.double() @ dequantized.T + bias.double()
+        assert float((got - exact).abs().max()) < 0.02 * float(exact.abs().max())
+
+
+def test_int4_on_float32_propagates_nan_and_zero_rows():
+    from worker.layers.quant import quantize_int4
+
+    weight = quantize_int4(torch.randn(32, 64))
+    packed = native.pack_int4(weight.values, weight.scales, weight.mins)
+    x = torch.zeros(3, 64)
+    x[1, 5] = float("nan")
+    x[2, 40] = 1.0
+    y = torch.ops.ladle_native.gemm_int4_f32(x, packed, 32, None)
+    assert torch.equal(y[0], torch.zeros(32))
+    assert bool(y[1].isnan().all())
+    assert bool(y[2].isfinite().all()) and float(y[2].abs().max()) > 0
+
+
+@pytest.mark.parametrize("out_features,in_features", [(64, 32), (4096, 576)])
+def test_grouped_int8_on_float32_computes_the_q8_dot_products(out_features, in_features):
+    """`gemm_int8_f32` (float32 x, AVX2): the VNNI kernel's arithmetic in float32."""
+    from worker.layers.quant import quantize_int8_groups
+
+    quantized = quantize_int8_groups(torch.randn(out_features, in_features))
+    quantized.values[0, :32] = -127  # the extremes: |w| p products at their largest
+    quantized.values[1, :32] = 127
+    packed = native.pack_int8(quantized.values, quantized.scales)
+    bias = torch.randn(out_features)
+    w_groups = quantized.values.double().reshape(out_features, -1, 32)
+    for rows in (1, 2, 8, 9, 17):
+        x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
+        x[0, :32] = 4.0  # p = 127 across the first group
+        got = torch.ops.ladle_native.gemm_int8_f32(x, packed, out_features, bias).double()
+        p, d = _q8_activations(x)
+        sums = torch.einsum("mgk,ngk->mng", p.double(), w_groups)
+        scales = d.double()[:, None, :] * quantized.scales.double()[None]
+        expected = (sums * scales).sum(dim=2) + bias.double()
+        atol = 1e-6 * float(expected.abs().max())
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=atol)
+
+
+def test_int4_kernel_takes_float32_where_bf16_kernels_are_missing():
+    from worker.layers.quant import Int4Kernel, quantize_int4
+
+    kernel = Int4Kernel(quantize_int4(torch.randn(64, 64)), torch.randn(64))
+    expected = "int4-native" if native.bf16() else "int4-native-q8"
+    assert kernel.name == expected and kernel.native_packed is not None
+    x = torch.randn(3, 64)
+    assert kernel(x).dtype == torch.float32 and kernel(x).shape == (3, 64)
+
+
 @bf16_only
 def test_grouped_int8_propagates_nan_and_zero_rows():
     from worker.layers.quant import GroupInt8Kernel, quantize_int8_groups

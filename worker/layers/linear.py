@@ -199,7 +199,9 @@ def quantize_lm_head(
     if not wanted or not isinstance(head, Linear) or head.quantized is not None:
         return False
     weight = head.weight
-    if weight.device.type != "cpu" or not native.int8_packable(*weight.shape):
+    if weight.device.type != "cpu" or not (
+        native.int8_packable(*weight.shape) or native.int8_f32_packable(*weight.shape)
+    ):
         return False
     bias = None if head.bias is None else head.bias.detach()
     names = {n for n, p in model.named_parameters(remove_duplicate=False) if p is weight}

@@ -178,9 +178,9 @@ class WeightOnlyKernel:
         compute_dtype: torch.dtype = COMPUTE_DTYPE,
     ) -> None:
         self.compute_dtype = compute_dtype
-        self.bias = None if bias is None else bias.detach().to(compute_dtype)
         self.out_features = weight.values.shape[0]
-        self.pack(weight)
+        self.pack(weight)  # may choose the compute dtype its kernel takes
+        self.bias = None if bias is None else bias.detach().to(self.compute_dtype)
 
     def pack(self, weight: QuantizedTensor) -> None:
         raise NotImplementedError
@@ -212,10 +212,12 @@ class Int8Kernel(WeightOnlyKernel):
 class Int4Kernel(WeightOnlyKernel):
     """Group-wise int4 W: Ladle's native kernel where it loaded (groups of 32, float32 scales
     and mins, exactly the `QuantizedTensor`'s), else `aten._weight_int4pack_mm_for_cpu` (bf16
-    scales and zeros). Both compute with bf16 activations.
+    scales and zeros). Both compute with bf16 activations; on a CPU without AVX512-BF16 the
+    native kernel takes float32 ones instead (`gemm_int4_f32`, AVX2: x quantized to int8 per
+    group of 32, as llama.cpp does there).
 
-    The native one streams nibbles straight into bf16 dot products, one row or many, in one
-    order per row (batch invariant, `worker/layers/native/gemm_int4.cpp`)."""
+    The native ones stream nibbles straight into bf16 or integer dot products, one row or
+    many, in one order per row (batch invariant, `worker/layers/native/gemm_int4.cpp`)."""
 
     name = "int4"
     batch_invariant = True
@@ -231,6 +233,10 @@ class Int4Kernel(WeightOnlyKernel):
             self.native_packed = native.pack_int4(weight.values, weight.scales, weight.mins)
             self.name = "int4-native"
             return
+        if native.int4_f32_packable(n, k, self.group_size):
+            self.native_packed = native.pack_int4(weight.values, weight.scales, weight.mins)
+            self.compute_dtype, self.name = torch.float32, "int4-native-q8"
+            return
         zeros = weight.mins + 8 * weight.scales  # torch's zero: the value at q = 8
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
             weight.values.to(torch.int32).contiguous(), 1
@@ -240,6 +246,10 @@ class Int4Kernel(WeightOnlyKernel):
         self.scales_and_zeros = pairs.to(self.compute_dtype).contiguous()
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native_packed is not None and self.compute_dtype == torch.float32:
+            return torch.ops.ladle_native.gemm_int4_f32(
+                x, self.native_packed, self.out_features, None
+            )
         if self.native_packed is not None:
             return torch.ops.ladle_native.gemm_int4(x, self.native_packed, self.out_features, None)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
@@ -252,7 +262,8 @@ class GroupInt8Kernel(WeightOnlyKernel):
     Ladle's native kernel, for a quantized model's lm_head (`quantize_lm_head`): half the
     bf16 weight's bytes, which one decode step reads whole, with 8-bit values as llama.cpp
     keeps its output (Q6_K or Q8_0), and x quantized to int8 per group of 32 as llama.cpp
-    does for its Q8_0 dots. Batch invariant (`worker/layers/native/gemm_int8.cpp`)."""
+    does for its Q8_0 dots. Batch invariant (`worker/layers/native/gemm_int8.cpp`). Without
+    AVX512-VNNI it runs on AVX2 with float32 activations (`gemm_int8_f32`, the same rounding)."""
 
     name = "int8-native"
     batch_invariant = True
@@ -261,8 +272,14 @@ class GroupInt8Kernel(WeightOnlyKernel):
         if weight.group_size != 32:
             raise ValueError("the native int8 kernel takes groups of 32 inputs")
         self.native_packed = native.pack_int8(weight.values, weight.scales)
+        if not native.int8_packable(*weight.shape):  # no VNNI: float32 x on AVX2
+            self.compute_dtype = torch.float32
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.compute_dtype == torch.float32:
+            return torch.ops.ladle_native.gemm_int8_f32(
+                x, self.native_packed, self.out_features, None
+            )
         return torch.ops.ladle_native.gemm_int8(x, self.native_packed, self.out_features, None)
 
 

@@ -51,7 +51,7 @@ SOURCES = tuple(
         "stack_bf16.cpp",
     )
 )
-HEADERS = (_HERE / "vec_bf16.h", _HERE / "vec16.h", _HERE / "gemm.h")
+HEADERS = tuple(_HERE / name for name in ("vec_bf16.h", "vec16.h", "gemm.h", "gemm_q8.h"))
 BUILD_TIMEOUT_S = 600
 _state: dict[str, object] = {}  # "loaded": bool, "reason": str (why not)
 
@@ -281,6 +281,11 @@ def int4_packable(out_features: int, in_features: int, group_size: int) -> bool:
     return bf16() and group_size == 32 and out_features % 16 == 0 and in_features % 32 == 0
 
 
+def int4_f32_packable(out_features: int, in_features: int, group_size: int) -> bool:
+    """Whether `ladle_native.gemm_int4_f32` (float32 x, AVX2) takes this int4 weight."""
+    return loaded() and group_size == 32 and out_features % 16 == 0 and in_features % 32 == 0
+
+
 def pack_int4(values: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
     """int4 [N, K] (0..15) with per-group scale and min ([N, K/32]; w = q s + m) ->
     uint8 [N/16, K/32, 384], the layout `ladle_native.gemm_int4` streams: per block of 16
@@ -308,6 +313,11 @@ def int8_packable(out_features: int, in_features: int) -> bool:
         and out_features % 16 == 0
         and in_features % 32 == 0
     )
+
+
+def int8_f32_packable(out_features: int, in_features: int) -> bool:
+    """Whether `ladle_native.gemm_int8_f32` (float32 x, AVX2) takes this weight shape."""
+    return loaded() and out_features % 16 == 0 and in_features % 32 == 0
 
 
 def pack_int8(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

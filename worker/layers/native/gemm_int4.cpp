@@ -15,6 +15,16 @@
 // out = fma(s, first + second, out), out = fma(m - 128 s, sum of x over the group, out), for
 // groups in order; then + bias. One row streams four blocks at once; several rows share each
 // block's nibbles, expanded once per group for all of them.
+//
+// gemm_int4_f32 takes float32 x and gives float32 y from the same packed weights, on AVX2
+// (CPUs without AVX512-BF16 run float32 models; AVX-512 machines have AVX2 too). It quantizes
+// x per row and group of 32 as llama.cpp does for its 4-bit dots on such CPUs (d = max |x| /
+// 127, p = round(x / d)), so the products are integers: `vpmaddubsw` multiplies 16 rows'
+// nibbles by a pair of p at once (int16 sums, exact), four chunks add in int16 (at most
+// 4 * 2 * 2 * 15 * 127 < 2^15), then widen to int32. Per group, with P = sum_k q_k p_k and
+// S = sum_k p_k (exact), sum_k w_k x_k ~ sum_k w_k d p_k = s d P + m d S; it runs
+// out = fma(s, d P, out), out = fma(m, d S, out) for groups in order, then + bias. Integer
+// sums are exact, so a row's result depends on its own values alone (batch invariant).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -22,8 +32,12 @@
 #include <immintrin.h>
 
 #include "gemm.h"
+#include "gemm_q8.h"
+#include "vec16.h"
 #include "vec_bf16.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -33,9 +47,9 @@ namespace {
 constexpr int64_t kGroup = 32;
 constexpr int64_t kGroupBytes = 384;
 
-#if defined(__AVX512BF16__)
-
 using namespace ladle;
+
+#if defined(__AVX512BF16__)
 
 // Sums of x over each group of 32 inputs, for `rows` rows of x: [rows][groups].
 std::vector<float> group_sums(const uint16_t* x, int64_t rows, int64_t K) {
@@ -168,10 +182,95 @@ at::Tensor gemm_int4(const at::Tensor& x, const at::Tensor& packed, int64_t out_
 #endif
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && defined(LADLE_V16)
+
+// Chunk c of one group: low nibbles (k-pair 2c) and high nibbles (2c+1), 16 rows' 2 bytes each.
+inline void nibbles(const uint8_t* chunk, __m256i& lo, __m256i& hi) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk));
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  lo = _mm256_and_si256(v, mask);
+  hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+}
+
+// 16 rows' int16 sums of four chunks, widened and added to the group's int32 sums (rows 0-7, 8-15).
+inline void widen_add(__m256i s16, __m256i& lo, __m256i& hi) {
+  lo = _mm256_add_epi32(lo, _mm256_cvtepi16_epi32(_mm256_castsi256_si128(s16)));
+  hi = _mm256_add_epi32(hi, _mm256_cvtepi16_epi32(_mm256_extracti128_si256(s16, 1)));
+}
+
+// out += this group's s d P + m d S, in the one order every path uses.
+inline V16 group_q8(V16 out, const uint8_t* group, __m256i p_lo, __m256i p_hi, float d, float ds) {
+  const float* meta = reinterpret_cast<const float*>(group + 256);
+  const V16 P = v_halves(_mm256_cvtepi32_ps(p_lo), _mm256_cvtepi32_ps(p_hi));
+  out = v_fmadd(v_load(meta), v_mul(P, v_set1(d)), out);
+  return v_fmadd(v_load(meta + 16), v_set1(ds), out);
+}
+
+struct Int4Q8 {
+  // M rows (M <= kMaxM) of quantized x against NB blocks (one row: NB streams; several rows:
+  // NB = 1, each chunk's nibbles shared by all of them).
+  template <int M, int NB>
+  static void run(const Q8Rows& xq, int64_t m0, const uint8_t* first_block, int64_t groups,
+                  const float* bias, float* y, int64_t ldy) {
+    const int64_t block_bytes = groups * kGroupBytes;
+    V16 out[M][NB];
+    for (int m = 0; m < M; ++m)
+      for (int n = 0; n < NB; ++n) out[m][n] = v_zero();
+    for (int64_t g = 0; g < groups; ++g) {
+      __m256i p_lo[M][NB], p_hi[M][NB];
+      for (int m = 0; m < M; ++m)
+        for (int n = 0; n < NB; ++n) p_lo[m][n] = p_hi[m][n] = _mm256_setzero_si256();
+      for (int half = 0; half < 2; ++half) {
+        __m256i s16[M][NB];
+        for (int m = 0; m < M; ++m)
+          for (int n = 0; n < NB; ++n) s16[m][n] = _mm256_setzero_si256();
+        for (int c = 4 * half; c < 4 * half + 4; ++c) {
+          for (int n = 0; n < NB; ++n) {
+            __m256i lo, hi;
+            nibbles(first_block + n * block_bytes + g * kGroupBytes + 32 * c, lo, hi);
+            for (int m = 0; m < M; ++m) {
+              const int8_t* p = xq.p.data() + (m0 + m) * groups * kGroup + g * kGroup + 4 * c;
+              const __m256i a = _mm256_maddubs_epi16(lo, _mm256_set1_epi16(p_at<int16_t>(p)));
+              const __m256i b = _mm256_maddubs_epi16(hi, _mm256_set1_epi16(p_at<int16_t>(p + 2)));
+              s16[m][n] = _mm256_add_epi16(s16[m][n], _mm256_add_epi16(a, b));
+            }
+          }
+        }
+        for (int m = 0; m < M; ++m)
+          for (int n = 0; n < NB; ++n) widen_add(s16[m][n], p_lo[m][n], p_hi[m][n]);
+      }
+      for (int m = 0; m < M; ++m) {
+        const int64_t i = (m0 + m) * groups + g;
+        for (int n = 0; n < NB; ++n)
+          out[m][n] = group_q8(out[m][n], first_block + n * block_bytes + g * kGroupBytes,
+                               p_lo[m][n], p_hi[m][n], xq.d[i], xq.ds[i]);
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      for (int n = 0; n < NB; ++n)
+        v_store(y + m * ldy + n * kRows, v_bias(out[m][n], bias ? bias + n * kRows : nullptr));
+  }
+};
+
+#endif  // __AVX2__ && __FMA__
+
+at::Tensor gemm_int4_f32(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                         const c10::optional<at::Tensor>& bias) {
+#if defined(__AVX2__) && defined(__FMA__) && defined(LADLE_V16)
+  return q8_op<Int4Q8>("int4", x, packed, out_features, bias, kGroupBytes);
+#else
+  TORCH_CHECK(false, "ladle_native.gemm_int4_f32: built without AVX2 and FMA");
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ladle_native, m) {
   m.def("gemm_int4(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
+  m.def("gemm_int4_f32(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(ladle_native, CPU, m) { m.impl("gemm_int4", &gemm_int4); }
+TORCH_LIBRARY_IMPL(ladle_native, CPU, m) {
+  m.impl("gemm_int4", &gemm_int4);
+  m.impl("gemm_int4_f32", &gemm_int4_f32);
+}

@@ -14,6 +14,13 @@
 // sum of the group's products; out = fma(s_w * d_x, float(sum), out) for groups in order;
 // then + bias. Integer sums are exact, so nothing but the row's own values decides a result.
 // One row streams four blocks at once; up to eight rows share each weight load.
+//
+// gemm_int8_f32 takes float32 x and gives float32 y from the same packed weights, on AVX2
+// (CPUs without AVX512-BF16 run float32 models). x is quantized the same way (gemm_q8.h);
+// `vpmaddubsw` needs one unsigned operand and saturates at 2^15, so it multiplies |w| by p
+// with w's sign (w = stored - 128 is back in -127..127: two products < 2^15), and
+// `vpmaddwd` adds the pairs into lane n's int32 sum of its 4 weights, as `vpdpbusd` does.
+// Per group: the exact int32 sum, then out = fma(s_w * d_x, float(sum), out) as above.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -21,6 +28,8 @@
 #include <immintrin.h>
 
 #include "gemm.h"
+#include "gemm_q8.h"
+#include "vec16.h"
 #include "vec_bf16.h"
 
 #include <algorithm>
@@ -31,12 +40,12 @@
 
 namespace {
 
+using namespace ladle;
+
 constexpr int64_t kGroup = 32;
 constexpr int64_t kGroupBytes = 576;
 
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
-
-using namespace ladle;
 
 struct QuantizedX {
   std::vector<int8_t> q;     // [rows][K]
@@ -170,6 +179,66 @@ at::Tensor gemm_int8(const at::Tensor& x, const at::Tensor& packed, int64_t out_
 #endif
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && defined(LADLE_V16)
+
+// The exact int32 products of 8 rows' next 4 weights (stored + 128) with a quad of p.
+inline __m256i quad_dot(__m256i stored, __m256i quad) {
+  const __m256i w = _mm256_xor_si256(stored, _mm256_set1_epi8(static_cast<char>(0x80)));
+  const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(quad, w));
+  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+
+struct Int8Q8 {
+  template <int M, int NB>
+  static void run(const Q8Rows& xq, int64_t m0, const uint8_t* first_block, int64_t groups,
+                  const float* bias, float* y, int64_t ldy) {
+    const int64_t block_bytes = groups * kGroupBytes;
+    V16 out[M][NB];
+    for (int m = 0; m < M; ++m)
+      for (int n = 0; n < NB; ++n) out[m][n] = v_zero();
+    for (int64_t g = 0; g < groups; ++g) {
+      __m256i lo[M][NB], hi[M][NB];  // rows 0-7 and 8-15
+      for (int m = 0; m < M; ++m)
+        for (int n = 0; n < NB; ++n) lo[m][n] = hi[m][n] = _mm256_setzero_si256();
+      for (int c = 0; c < 8; ++c)
+        for (int n = 0; n < NB; ++n) {
+          const uint8_t* chunk = first_block + n * block_bytes + g * kGroupBytes + 64 * c;
+          const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk));
+          const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 32));
+          for (int m = 0; m < M; ++m) {
+            const int8_t* p = xq.p.data() + (m0 + m) * groups * kGroup + g * kGroup + 4 * c;
+            const __m256i quad = _mm256_set1_epi32(p_at<int32_t>(p));
+            lo[m][n] = _mm256_add_epi32(lo[m][n], quad_dot(w0, quad));
+            hi[m][n] = _mm256_add_epi32(hi[m][n], quad_dot(w1, quad));
+          }
+        }
+      for (int m = 0; m < M; ++m) {
+        const float d = xq.d[(m0 + m) * groups + g];
+        for (int n = 0; n < NB; ++n) {
+          const float* scales =
+              reinterpret_cast<const float*>(first_block + n * block_bytes + g * kGroupBytes + 512);
+          const V16 sum = v_halves(_mm256_cvtepi32_ps(lo[m][n]), _mm256_cvtepi32_ps(hi[m][n]));
+          out[m][n] = v_fmadd(v_mul(v_load(scales), v_set1(d)), sum, out[m][n]);
+        }
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      for (int n = 0; n < NB; ++n)
+        v_store(y + m * ldy + n * kRows, v_bias(out[m][n], bias ? bias + n * kRows : nullptr));
+  }
+};
+
+#endif  // __AVX2__ && __FMA__
+
+at::Tensor gemm_int8_f32(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                         const c10::optional<at::Tensor>& bias) {
+#if defined(__AVX2__) && defined(__FMA__) && defined(LADLE_V16)
+  return q8_op<Int8Q8>("int8", x, packed, out_features, bias, kGroupBytes);
+#else
+  TORCH_CHECK(false, "ladle_native.gemm_int8_f32: built without AVX2 and FMA");
+#endif
+}
+
 bool int8_available() {
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
   return true;
@@ -183,6 +252,10 @@ bool int8_available() {
 TORCH_LIBRARY_FRAGMENT(ladle_native, m) {
   m.def("int8_available() -> bool", &int8_available);
   m.def("gemm_int8(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
+  m.def("gemm_int8_f32(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(ladle_native, CPU, m) { m.impl("gemm_int8", &gemm_int8); }
+TORCH_LIBRARY_IMPL(ladle_native, CPU, m) {
+  m.impl("gemm_int8", &gemm_int8);
+  m.impl("gemm_int8_f32", &gemm_int8_f32);
+}

@@ -40,6 +40,11 @@ inline V16 v_load_first(const float* p, int64_t n) { return _mm512_maskz_loadu_p
 inline void v_store_first(float* p, V16 v, int64_t n) { _mm512_mask_storeu_ps(p, tail_mask(n), v); }
 inline float v_max_first(V16 v, int64_t n) { return _mm512_mask_reduce_max_ps(tail_mask(n), v); }
 inline V16 v_keep_first(V16 v, int64_t n) { return _mm512_maskz_mov_ps(tail_mask(n), v); }
+// lanes 0-7 from lo, 8-15 from hi
+inline V16 v_halves(__m256 lo, __m256 hi) {
+  return _mm512_castpd_ps(
+      _mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
+}
 inline float v_reduce_add(V16 v) { return _mm512_reduce_add_ps(v); }
 
 // out lane j = the sum of a[j]'s 16 lanes, by one fixed tree for every j: lanes l and l+8,
@@ -77,6 +82,7 @@ struct V16 {
 inline V16 v_zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 inline V16 v_set1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
 inline V16 v_load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline V16 v_halves(__m256 lo, __m256 hi) { return {lo, hi}; }
 inline void v_store(float* p, V16 v) {
   _mm256_storeu_ps(p, v.lo);
   _mm256_storeu_ps(p + 8, v.hi);
