@@ -98,8 +98,8 @@ void gemm(const float* x, const float* packed, const float* bias, float* y, int6
           int64_t K) {
   at::parallel_for(0, N / kRows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b)
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxM)
-        block_rows(M - m0 < kMaxM ? M - m0 : kMaxM, packed + b * K * kRows, x + m0 * K, K, K,
+      for (int64_t m0 = 0; m0 < M; m0 += kV16Pass)
+        block_rows(M - m0 < kV16Pass ? M - m0 : kV16Pass, packed + b * K * kRows, x + m0 * K, K, K,
                    bias ? bias + b * kRows : nullptr, y + m0 * N + b * kRows, N);
   });
 }

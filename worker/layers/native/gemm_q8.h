@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "gemm.h"
+#include "vec16.h"
 
 namespace ladle {
 
@@ -82,7 +83,7 @@ void q8_gemm(const float* x, const uint8_t* packed, const float* bias, float* y,
         });
     return;
   }
-  block_passes(N / kRows, M, kMaxM, [&](int64_t b, int64_t m0, int64_t rows) {
+  block_passes(N / kRows, M, kV16Pass, [&](int64_t b, int64_t m0, int64_t rows) {
     with_rows(rows, [&](auto m) {
       Kernel::template run<decltype(m)::value, 1>(xq, m0, packed + b * block_bytes, groups,
                                                   bias_at(b), y + m0 * N + b * kRows, N);

@@ -182,6 +182,14 @@ inline V16 sum_lanes(const V16* a) {
 
 #if defined(LADLE_V16)
 namespace ladle {
+// Rows of x per pass over a weight block in the float32-activation kernels, so that their
+// sums stay in registers: 32 zmm hold 8 rows' worth; with 16 ymm, 2 rows measured fastest
+// (against 3, 4 and 8; docs/benchmarks.md).
+#if defined(__AVX512BF16__)
+constexpr int64_t kV16Pass = 8;
+#else
+constexpr int64_t kV16Pass = 2;
+#endif
 // Adds the bias only where there is one: `s + 0.0f` would turn a -0.0 sum into +0.0.
 inline V16 v_bias(V16 sum, const float* bias) { return bias ? v_add(sum, v_load(bias)) : sum; }
 }  // namespace ladle
