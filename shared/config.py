@@ -42,7 +42,8 @@ class Settings(BaseSettings):
     quantization: Literal["auto", "none", "int8", "int4"] = Field(
         "auto",
         description="weight-only int8 (per channel) or int4 (groups of 32) projections, CPU; "
-        "auto: as a GGUF holds them (4-bit in int4, 5-8-bit in int8) on a bf16 CPU, else none",
+        "auto: as a GGUF holds them (4-bit in int4, 5-8-bit in int8) on a bf16 CPU, or in "
+        "float32 chosen by LLM_DTYPE=auto on an AVX2 CPU, else none",
     )
     lm_head_quantization: Literal["auto", "none", "int8"] = Field(
         "none",

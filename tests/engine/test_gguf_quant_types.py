@@ -174,6 +174,29 @@ def test_auto_serves_each_layer_as_the_file_holds_it(tmp_path: Path) -> None:
     assert float32.quantization == "none"  # float32 asked for: no quantized kernels
 
 
+def test_auto_on_a_cpu_without_bf16_serves_the_file_on_float32(tmp_path, monkeypatch) -> None:
+    """`LLM_DTYPE=auto` picks float32 where the CPU lacks AVX512-BF16; "auto" then serves the
+    file's 4-bit tensors in int4 on float32 activations (AVX2), as llama.cpp would run it."""
+    from worker.models import loader
+
+    model_dir = tiny_model_dir("llama", tmp_path)
+    path = tmp_path / "mixed.gguf"
+    write_gguf(float32_model(model_dir), path, AUTO_TYPES)
+    preconvert(path, tmp_path)
+    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: False)
+    native.configure(True)
+    loaded = load_model(
+        str(path), dtype="auto", device="cpu", cache_dir=str(tmp_path), quantization="auto"
+    )
+    assert loaded.dtype == torch.float32
+    if not native.int4_f32_packable(16, 32, 32):
+        assert loaded.quantization == "none"
+        return
+    assert loaded.quantization == "auto (int4 x 2, int8 x 4)"
+    o_proj = loaded.model.model.layers[0].self_attn.o_proj.quantized
+    assert o_proj.name == ("int4-native" if native.bf16() else "int4-native-q8")
+
+
 def test_a_q4_file_loads_in_int4_without_requantizing(tmp_path: Path, monkeypatch) -> None:
     model_dir = tiny_model_dir("llama", tmp_path)
     path = tmp_path / "q4.gguf"

@@ -23,6 +23,7 @@ from safetensors import safe_open
 from torch import nn
 
 from shared.model_files import converted_dir, resolve_model
+from worker.layers import native
 from worker.layers.linear import Linear, head_sources, quantize_linears, quantize_lm_head
 from worker.layers.quant import QuantizationUnavailable, QuantizedTensor, check_quantization
 from worker.models.errors import ModelConfigError
@@ -153,7 +154,9 @@ def load_model(
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     check_quantization(quantization, torch_device)
-    quantization = resolve_quantization(quantization, ref, torch_device, torch_dtype)
+    quantization = resolve_quantization(
+        quantization, ref, torch_device, torch_dtype, dtype_auto=dtype == "auto"
+    )
     model_len = _max_model_len(config, max_model_len)
     with _default_dtype(torch_dtype), torch.device("meta"):
         model = build_model(config, model_len)
@@ -204,14 +207,18 @@ def log_loaded(model_dir: Path, started: float, *details: object) -> None:
     log.info("loaded %s (%s) in %.1fs", model_dir, described, time.perf_counter() - started)
 
 
-def resolve_quantization(mode: str, ref: str, device: torch.device, dtype: torch.dtype) -> str:
+def resolve_quantization(
+    mode: str, ref: str, device: torch.device, dtype: torch.dtype, dtype_auto: bool = False
+) -> str:
     """ "auto": per tensor as the GGUF holds it (`gguf_quant.AUTO_MODES`) where the quantized
-    kernels serve it (CPU, bf16 compute); "none" for float checkpoints, other devices, or a
-    float32/float16 model (its user asked for float precision)."""
+    kernels serve it: CPU with bf16 compute, or float32 that `LLM_DTYPE=auto` chose on a CPU
+    without AVX512-BF16 where Ladle's int4 kernel on float32 activations (AVX2) loaded; "none"
+    for float checkpoints, other devices, or a float32/float16 model its user asked for."""
     if mode != "auto":
         return mode
     gguf = resolve_model(ref).kind == "gguf"
-    if not (gguf and device.type == "cpu" and dtype == torch.bfloat16):
+    float32_int4 = dtype == torch.float32 and dtype_auto and native.int4_f32_packable(16, 32, 32)
+    if not (gguf and device.type == "cpu" and (dtype == torch.bfloat16 or float32_int4)):
         return "none"
     try:
         for needed in ("int4", "int8"):
