@@ -246,9 +246,7 @@ struct Int4Q8 {
                                p_lo[m][n], p_hi[m][n], xq.d[i], xq.ds[i]);
       }
     }
-    for (int m = 0; m < M; ++m)
-      for (int n = 0; n < NB; ++n)
-        v_store(y + m * ldy + n * kRows, v_bias(out[m][n], bias ? bias + n * kRows : nullptr));
+    q8_store<M, NB>(out, bias, y, ldy);
   }
 };
 

@@ -60,6 +60,16 @@ inline T p_at(const int8_t* p) {
   return v;
 }
 
+#if defined(LADLE_V16)
+// A pass's M rows x NB blocks of sums, each + its block's bias, into y (rows ldy apart).
+template <int M, int NB>
+inline void q8_store(const V16 (&out)[M][NB], const float* bias, float* y, int64_t ldy) {
+  for (int m = 0; m < M; ++m)
+    for (int n = 0; n < NB; ++n)
+      v_store(y + m * ldy + n * kRows, v_bias(out[m][n], bias ? bias + n * kRows : nullptr));
+}
+#endif
+
 // y[M, N] (float32) = x @ W^T + bias for a weight packed by blocks of 16 outputs and groups
 // of 32 inputs (`group_bytes` a block's group): one row streams four blocks at once
 // (`Kernel::template run<1, 4>`), several rows share each block's weights (`run<M, 1>`).
