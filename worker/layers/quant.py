@@ -229,13 +229,13 @@ class Int4Kernel(WeightOnlyKernel):
         if self.group_size not in INT4_GROUP_SIZES:
             raise ValueError(f"int4 kernel needs a group size in {INT4_GROUP_SIZES}")
         n, k = weight.shape
-        if self.compute_dtype == torch.bfloat16 and native.int4_packable(n, k, self.group_size):
+        bf16 = self.compute_dtype == torch.bfloat16 and native.int4_packable(n, k, self.group_size)
+        if bf16 or native.int4_f32_packable(n, k, self.group_size):  # else float32 x on AVX2
             self.native_packed = native.pack_int4(weight.values, weight.scales, weight.mins)
-            self.name = "int4-native"
-            return
-        if native.int4_f32_packable(n, k, self.group_size):
-            self.native_packed = native.pack_int4(weight.values, weight.scales, weight.mins)
-            self.compute_dtype, self.name = torch.float32, "int4-native-q8"
+            if not bf16:
+                self.compute_dtype, self.name = torch.float32, "int4-native-q8"
+            else:
+                self.name = "int4-native"
             return
         zeros = weight.mins + 8 * weight.scales  # torch's zero: the value at q = 8
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
