@@ -150,7 +150,8 @@ def check_trace(spans: tuple, job_id: str) -> None:
     for earlier, later in zip(phases, phases[1:], strict=False):
         assert earlier.end_time <= later.start_time, (earlier.name, later.name)
     relay = one(by_name, "api.relay")
-    assert phases[-1].end_time <= relay.end_time <= root.end_time
+    # The relay may answer from the final entry before the worker's write call returns.
+    assert phases[-1].start_time <= relay.end_time <= root.end_time
 
 
 def one(by_name: dict[str, list], name: str) -> object:
