@@ -161,19 +161,26 @@ def _other_table(table: list[int], i: int, rng: random.Random, num_blocks: int) 
     return shared + rest[: len(table) - len(shared)]
 
 
-def test_small_ops_are_batch_invariant():
-    require_native(bf16=True)
-    ops = torch.ops.ladle_native
-    weight = _rand(576, seed=17)
-    filler, probe = _rand(256, 576, seed=18), _rand(576, seed=19)
-    assert_rows_invariant(lambda x: ops.rms_norm_bf16(x, weight, 1e-5), probe, filler)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_small_ops_are_batch_invariant(dtype):
+    require_native(bf16=dtype == torch.bfloat16)
+    from worker.layers import native
+
+    weight = _rand(576, seed=17, dtype=dtype)
+    filler, probe = _rand(256, 576, seed=18, dtype=dtype), _rand(576, seed=19, dtype=dtype)
+    rms_norm, add_rms_norm = native.op("rms_norm", dtype), native.op("add_rms_norm", dtype)
+    assert_rows_invariant(lambda x: rms_norm(x, weight, 1e-5), probe, filler)
     # a row of x and its residual side by side
     assert_rows_invariant(
-        lambda x: ops.add_rms_norm_bf16(x[:, :576], x[:, 576:], weight, 1e-5)[0],
-        _rand(1152, seed=20),
-        _rand(256, 1152, seed=23),
+        lambda x: add_rms_norm(x[:, :576], x[:, 576:], weight, 1e-5)[0],
+        _rand(1152, seed=20, dtype=dtype),
+        _rand(256, 1152, seed=23, dtype=dtype),
     )
-    assert_rows_invariant(ops.silu_mul_bf16, _rand(3072, seed=21), _rand(256, 3072, seed=22))
+    for name in ("silu_mul", "gelu_tanh_mul"):
+        fn = native.op(name, dtype)
+        assert_rows_invariant(
+            fn, _rand(3072, seed=21, dtype=dtype), _rand(256, 3072, seed=22, dtype=dtype)
+        )
 
 
 def _model_dtype() -> str:

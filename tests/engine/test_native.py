@@ -24,7 +24,7 @@ from tests.support.engines import make_engine as make_test_engine
 from tests.support.tiny_models import greedy_logits, tiny_model_dir
 from worker.engine.core.sampling_params import SamplingParams
 from worker.layers import native
-from worker.layers.activation import SiluAndMul
+from worker.layers.activation import GeluTanhAndMul, SiluAndMul
 from worker.layers.attention import AttentionOptions, _decode_eager
 from worker.layers.context import AttentionMetadata
 from worker.layers.linear_kernels import build_kernel
@@ -409,56 +409,71 @@ def test_paged_attention_reads_q_in_place_from_a_fused_qkv():
     assert torch.equal(strided, torch.ops.ladle_native.paged_attention_rows(q.contiguous(), *args))
 
 
-@bf16_only
-def test_write_kv_equals_index_copy():
-    k_cache, v_cache = _bf16(3, 10, 16, 64, seed=4), _bf16(3, 10, 16, 64, seed=5)
+def _rand(dtype: torch.dtype, *shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_equals_index_copy(dtype):
+    k_cache, v_cache = _rand(dtype, 3, 10, 16, 64, seed=4), _rand(dtype, 3, 10, 16, 64, seed=5)
     # strided k/v, as they come out of a fused qkv
-    qkv = _bf16(5, 9 + 6, 64, seed=6)
+    qkv = _rand(dtype, 5, 9 + 6, 64, seed=6)
     k, v = qkv[:, 9:12], qkv[:, 12:]
     slots = torch.tensor([0, 17, 159, 64, 3])
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
     expected_k.view(3, -1, 64).index_copy_(1, slots, k.transpose(0, 1))
     expected_v.view(3, -1, 64).index_copy_(1, slots, v.transpose(0, 1))
-    torch.ops.ladle_native.write_kv_bf16(k, v, k_cache, v_cache, slots)
+    torch.ops.ladle_native.write_kv(k, v, k_cache, v_cache, slots)
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
     with pytest.raises(RuntimeError, match="out of range"):
-        torch.ops.ladle_native.write_kv_bf16(k, v, k_cache, v_cache, slots + 150)
+        torch.ops.ladle_native.write_kv(k, v, k_cache, v_cache, slots + 150)
+    with pytest.raises(RuntimeError, match="dtype"):
+        torch.ops.ladle_native.write_kv(k.double(), v.double(), k_cache, v_cache, slots)
 
 
-@bf16_only
+# the sum of squares (and exp) run in another order than eager's: bf16 results at most one
+# bf16 rounding step apart, float32 ones a few float32 ulps
+def _glue_tolerance(dtype: torch.dtype) -> dict:
+    return dict(rtol=2**-7, atol=1e-3) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("size", [64, 576, 100])  # 100: a masked tail
-def test_norms_match_eager(size):
-    norm = RMSNorm(size, 1e-5).to(torch.bfloat16)
-    norm.weight.data = _bf16(size, seed=7)
-    x, residual = _bf16(5, size, seed=8), _bf16(5, size, seed=9)
-    got = torch.ops.ladle_native.rms_norm_bf16(x, norm.weight, norm.eps)
-    # the sum of squares runs in another order: at most one bf16 rounding step apart
-    torch.testing.assert_close(got, norm(x), rtol=2**-7, atol=1e-3)
-    normed, summed = torch.ops.ladle_native.add_rms_norm_bf16(x, residual, norm.weight, norm.eps)
+@pytest.mark.parametrize("offset", [0.0, 1.0])  # 1.0: Gemma's (1 + w)
+def test_norms_match_eager(size, dtype, offset):
+    norm = RMSNorm(size, 1e-5, offset).to(dtype)
+    norm.weight.data = _rand(dtype, size, seed=7)
+    x, residual = _rand(dtype, 5, size, seed=8), _rand(dtype, 5, size, seed=9)
+    got = native.op("rms_norm", dtype)(x, norm.weight, norm.eps, offset)
+    torch.testing.assert_close(got, norm(x), **_glue_tolerance(dtype))
+    fused = native.op("add_rms_norm", dtype)
+    normed, summed = fused(x, residual, norm.weight, norm.eps, offset)
     assert torch.equal(summed, x + residual)
-    torch.testing.assert_close(normed, norm(x + residual), rtol=2**-7, atol=1e-3)
+    torch.testing.assert_close(normed, norm(x + residual), **_glue_tolerance(dtype))
 
 
-@bf16_only
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("size", [128, 1536, 40])
-def test_silu_mul_matches_eager(size):
-    x = _bf16(3, 2 * size, seed=10) * 4
-    got = torch.ops.ladle_native.silu_mul_bf16(x)
-    torch.testing.assert_close(got, SiluAndMul()(x), rtol=2**-7, atol=1e-3)
+def test_silu_and_gelu_mul_match_eager(size, dtype):
+    x = _rand(dtype, 3, 2 * size, seed=10) * 4
+    got = native.op("silu_mul", dtype)(x)
+    torch.testing.assert_close(got, SiluAndMul()(x), **_glue_tolerance(dtype))
+    got = native.op("gelu_tanh_mul", dtype)(x)
+    torch.testing.assert_close(got, GeluTanhAndMul()(x), **_glue_tolerance(dtype))
 
 
-@bf16_only
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 32, 40])
-def test_rotary_in_place_equals_eager(head_dim):
+def test_rotary_in_place_equals_eager(head_dim, dtype):
     params = {"rope_type": "default", "rope_theta": 10000.0}
-    rotary = RotaryEmbedding(params, head_dim, 256).to(torch.bfloat16)
+    rotary = RotaryEmbedding(params, head_dim, 256).to(dtype)
     rotary.build_cache()
     positions = torch.tensor([0, 5, 255, 17])
-    x = _bf16(4, 6, head_dim, seed=11)
+    x = _rand(dtype, 4, 6, head_dim, seed=11)
     cos, sin = rotary(positions)
     expected = apply_rotary(x[:, :5], cos, sin)
     got = x.clone()
-    torch.ops.ladle_native.rotary_bf16_(got, positions, rotary.cos_cache, rotary.sin_cache, 5)
+    native.op("rotary_", dtype)(got, positions, rotary.cos_cache, rotary.sin_cache, 5)
     assert torch.equal(got[:, :5], expected)  # rounded where eager rounds: bit for bit
     assert torch.equal(got[:, 5:], x[:, 5:])  # heads past `heads` untouched
 
@@ -473,20 +488,22 @@ def bf16_model_dir(tmp_path_factory):
     return path
 
 
-@bf16_only
-def test_native_forward_matches_eager_forward(bf16_model_dir):
-    loaded = load_model(str(bf16_model_dir), dtype="bfloat16", device="cpu")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_native_forward_matches_eager_forward(bf16_model_dir, dtype):
+    loaded = load_model(str(bf16_model_dir), dtype=str(dtype).removeprefix("torch."), device="cpu")
     prompt = [random.Random(12).randrange(3, 256) for _ in range(40)]
     native_logits = greedy_logits(loaded, True, prompt, steps=6)
     eager_logits = greedy_logits(loaded, False, prompt, steps=6)
     scale = eager_logits.abs().max()
-    assert (native_logits - eager_logits).abs().max() < 0.05 * scale
+    close = 0.05 if dtype == torch.bfloat16 else 1e-4  # float32: a few ulps per op
+    assert (native_logits - eager_logits).abs().max() < close * scale
     assert torch.equal(native_logits.argmax(-1), eager_logits.argmax(-1))
 
 
-@bf16_only
-def test_engine_runs_native_and_frees_every_block(bf16_model_dir):
-    engine = make_test_engine(bf16_model_dir, dtype="bfloat16", linear_kernel="auto")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_engine_runs_native_and_frees_every_block(bf16_model_dir, dtype):
+    name = str(dtype).removeprefix("torch.")
+    engine = make_test_engine(bf16_model_dir, dtype=name, linear_kernel="auto")
     assert engine.executor.kernels["forward"] == "native"
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     for i in range(5):

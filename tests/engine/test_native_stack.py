@@ -13,6 +13,7 @@ from tests.support.engines import TEST_DEVICE, add_tiny_tokenizer, make_engine, 
 from tests.support.tiny_models import tiny_model_dir
 from worker.engine.core.sampling_params import SamplingParams
 from worker.engine.offline import LLM
+from worker.layers import native
 from worker.models import native_stack
 
 pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="CPU kernels")
@@ -32,9 +33,7 @@ def _run(model_dir: Path, enabled: bool, monkeypatch, **settings: object) -> tup
     build = native_stack.build_stack if enabled else (lambda layers: None)
     with monkeypatch.context() as patch:
         patch.setattr(native_stack, "build_stack", build)
-        engine = make_engine(
-            model_dir, linear_kernel="native", deterministic=True, dtype="bfloat16", **settings
-        )
+        engine = make_engine(model_dir, linear_kernel="native", deterministic=True, **settings)
         params = [PARAMS[i % 2] for i in range(6)]
         results = LLM(engine=engine).generate(_prompts(), params)
     answers = [
@@ -45,6 +44,7 @@ def _run(model_dir: Path, enabled: bool, monkeypatch, **settings: object) -> tup
     return answers, engine.executor.runner.model.model.native_layers._stack
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize(
     "family,settings",
     [
@@ -53,8 +53,11 @@ def _run(model_dir: Path, enabled: bool, monkeypatch, **settings: object) -> tup
         ("qwen2", {"num_threads": 2}),  # a bias on qkv
     ],
 )
-def test_stack_gives_the_loops_answers(family, settings, tmp_path, monkeypatch) -> None:
-    require_native()
+def test_stack_gives_the_loops_answers(family, settings, dtype, tmp_path, monkeypatch) -> None:
+    require_native(bf16=dtype == "bfloat16")
+    if dtype == "float32" and "quantization" in settings and native.bf16():
+        pytest.skip("int4 computes on bf16 activations where the bf16 kernels are")
+    settings = {**settings, "dtype": dtype}
     path = tiny_model_dir(family, tmp_path, hidden_size=128, intermediate_size=256)
     add_tiny_tokenizer(path)
     looped, none = _run(path, False, monkeypatch, **settings)
@@ -64,8 +67,8 @@ def test_stack_gives_the_loops_answers(family, settings, tmp_path, monkeypatch) 
 
 
 def test_a_model_that_does_not_qualify_keeps_the_loop(tmp_path, monkeypatch) -> None:
-    require_native()
+    require_native(bf16=False)
     path = tiny_model_dir("gemma3", tmp_path, hidden_size=128, intermediate_size=256)
     add_tiny_tokenizer(path)
-    _, stack = _run(path, True, monkeypatch, num_threads=1)
+    _, stack = _run(path, True, monkeypatch, num_threads=1, dtype="float32")
     assert stack is None  # sandwich norms, q/k norms, windows: the Python layers serve it

@@ -202,9 +202,10 @@ def _num_blocks(config: EngineConfig, loaded: LoadedModel, bytes_per_block: int)
 
 
 def _wants_native(config: EngineConfig, device: str, dtype: torch.dtype) -> bool:
-    """Ladle's native kernels serve bf16 compute on CPU (a bf16 model, or int4 weights on bf16
-    activations), and every dtype where batch invariance is asked for (only they promise it)."""
-    serves = dtype == torch.bfloat16 or config.quantization == "int4" or config.deterministic
+    """Ladle's native kernels serve bf16 and float32 compute on CPU (matmuls, quantized ones,
+    attention, the small ops), and every dtype where batch invariance is asked for (only they
+    promise it)."""
+    serves = dtype in (torch.bfloat16, torch.float32) or config.deterministic
     return config.native_kernels and device in ("cpu", "auto") and serves
 
 

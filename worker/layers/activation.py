@@ -6,21 +6,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.layers import native
 from worker.layers.changes import note_change
 
 
 class SiluAndMul(nn.Module):
     """silu(gate) * up (SwiGLU)."""
 
-    native = False  # `ladle_native.silu_mul_bf16`, chosen at load (`use_native`)
+    native = False  # `ladle_native.silu_mul_{bf16,f32}`, chosen at load (`use_native`)
 
     def use_native(self, enabled: bool) -> None:
         self.native = enabled
         note_change()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.native and x.dtype == torch.bfloat16 and x.dim() == 2:
-            return torch.ops.ladle_native.silu_mul_bf16(x)
+        if self.native and x.dim() == 2:
+            return native.op("silu_mul", x.dtype)(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
@@ -28,15 +29,15 @@ class SiluAndMul(nn.Module):
 class GeluTanhAndMul(nn.Module):
     """gelu(gate, tanh approximation) * up (GeGLU, Gemma's `gelu_pytorch_tanh`)."""
 
-    native = False  # `ladle_native.gelu_tanh_mul_bf16`, chosen at load (`use_native`)
+    native = False  # `ladle_native.gelu_tanh_mul_{bf16,f32}`, chosen at load (`use_native`)
 
     def use_native(self, enabled: bool) -> None:
         self.native = enabled
         note_change()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.native and x.dtype == torch.bfloat16 and x.dim() == 2:
-            return torch.ops.ladle_native.gelu_tanh_mul_bf16(x)
+        if self.native and x.dim() == 2:
+            return native.op("gelu_tanh_mul", x.dtype)(x)
         gate, up = x.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
 

@@ -105,8 +105,8 @@ def paged_attention(
     # [Hkv, num_blocks * block_size, hd]: slot s of every head
     k_slots = k_cache.view(num_kv_heads, -1, head_dim)
     v_slots = v_cache.view(num_kv_heads, -1, head_dim)
-    if options.native_rows and k_cache.dtype == torch.bfloat16:
-        torch.ops.ladle_native.write_kv_bf16(k, v, k_cache, v_cache, meta.slot_mapping)
+    if options.native_rows:
+        torch.ops.ladle_native.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     else:
         k_slots.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
         v_slots.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
@@ -153,20 +153,10 @@ def _sdpa(
     )
 
 
-def _native(cache: torch.Tensor) -> bool:
-    """Whether Ladle's native kernels serve this cache (bf16 where the CPU has AVX512-BF16,
-    float32 where they loaded)."""
-    if cache.device.type != "cpu":
-        return False
-    if cache.dtype == torch.bfloat16:
-        return native.bf16()
-    return cache.dtype == torch.float32 and native.loaded()
-
-
 def rows_supported(cache: torch.Tensor, num_heads: int) -> bool:
     """Whether every row of a step can be attended by the native row kernel for this layer."""
     group = num_heads // cache.shape[0]
-    return _native(cache) and native.attention_supported(cache.shape[-1], group)
+    return native.serves(cache) and native.attention_supported(cache.shape[-1], group)
 
 
 def _decode(

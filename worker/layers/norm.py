@@ -1,6 +1,6 @@
 """RMSNorm computed in float32, as the reference implementations do (Llama's `w * x` and
-Gemma's `(1 + w) * x`); Ladle's native bf16 kernel where the model chose it at load
-(`use_native`)."""
+Gemma's `(1 + w) * x`); Ladle's native bf16 or float32 kernel where the model chose it at
+load (`use_native`)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.layers import native
 from worker.layers.changes import note_change
 
 
@@ -25,13 +26,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.offset = offset
         self.weight = nn.Parameter(torch.ones(size))
-        self.native = False  # `ladle_native.rms_norm_bf16` (bf16 weights on CPU)
+        self.native = False  # `ladle_native.rms_norm_{bf16,f32}` (bf16 or float32 weights, CPU)
 
     def use_native(self, enabled: bool) -> None:
-        """Run on the native kernels from now on (where they apply: bf16 weights on CPU)."""
-        weight = self.weight
-        on_cpu_bf16 = weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
-        self.native = enabled and on_cpu_bf16
+        """Run on the native kernels from now on where they apply: CPU, the weight in bf16
+        (the bf16 kernels loaded) or float32 (any native kernels loaded)."""
+        self.native = enabled and native.serves(self.weight)
         note_change()
 
     def with_residual(
@@ -39,16 +39,15 @@ class RMSNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): a residual add fused with the norm after it."""
         if self.native:
-            return torch.ops.ladle_native.add_rms_norm_bf16(
-                x, residual, self.weight, self.eps, self.offset
-            )
+            fused = native.op("add_rms_norm", x.dtype)
+            return fused(x, residual, self.weight, self.eps, self.offset)
         summed = x + residual
         return self(summed), summed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native:
             flat = x.reshape(-1, x.shape[-1])
-            out = torch.ops.ladle_native.rms_norm_bf16(flat, self.weight, self.eps, self.offset)
+            out = native.op("rms_norm", x.dtype)(flat, self.weight, self.eps, self.offset)
             return out.view(x.shape)
         shape = (x.shape[-1],)
         if self.offset:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from worker.layers import native
 from worker.layers.changes import note_change
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
@@ -147,7 +148,7 @@ class RotaryEmbedding(nn.Module):
     the two halves (one `flip`) instead of HF's slice, negate and concatenate.
     """
 
-    native = False  # rotate in place with `ladle_native.rotary_bf16_` (`use_native`)
+    native = False  # rotate in place with `ladle_native.rotary_{bf16,f32}_` (`use_native`)
 
     def __init__(self, params: dict[str, Any], head_dim: int, max_positions: int) -> None:
         super().__init__()
@@ -180,19 +181,16 @@ class RotaryEmbedding(nn.Module):
         return self.cos_cache[positions].unsqueeze(1), self.sin_cache[positions].unsqueeze(1)
 
     def use_native(self, enabled: bool) -> None:
-        """Rotate in place with `ladle_native.rotary_bf16_` from now on (bf16 on CPU)."""
-        cache = self.cos_cache
-        on_cpu_bf16 = cache.dtype == torch.bfloat16 and cache.device.type == "cpu"
-        self.native = enabled and on_cpu_bf16 and self.rotary_dim == self.head_dim
+        """Rotate in place with `ladle_native.rotary_{bf16,f32}_` from now on (CPU)."""
+        full = self.rotary_dim == self.head_dim
+        self.native = enabled and native.serves(self.cos_cache) and full
         note_change()
 
     def rotate(self, x: torch.Tensor, num_heads: int, positions: torch.Tensor) -> torch.Tensor:
         """The first `num_heads` heads of x [T, heads, head_dim] rotated (in place on the
         native kernels, else a new tensor): what attention reads as its q and k."""
         if self.native:
-            torch.ops.ladle_native.rotary_bf16_(
-                x, positions, self.cos_cache, self.sin_cache, num_heads
-            )
+            native.op("rotary_", x.dtype)(x, positions, self.cos_cache, self.sin_cache, num_heads)
             return x[:, :num_heads]
         cos, sin = self(positions)
         if self.rotary_dim == self.head_dim:

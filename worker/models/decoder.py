@@ -148,13 +148,12 @@ class DecoderForCausalLM(nn.Module):
 
     def use_native(self, enabled: bool) -> bool:
         """Norms, SiLU/GELU-mul and rotary on the native kernels from now on where they apply
-        (bf16 on CPU, the kernels loaded; each block also checks its own form); returns
-        whether they do. Chosen once, at load."""
+        (CPU, bf16 or float32, the kernels for it loaded; each block also checks its own
+        form); returns whether they do. Chosen once, at load."""
         chosen = (
             enabled
-            and native.bf16()
-            and self.lm_head.weight.device.type == "cpu"
-            and self.model.embed_tokens.weight.dtype == torch.bfloat16
+            and native.serves(self.lm_head.weight)
+            and native.serves(self.model.embed_tokens.weight)
             and self.spec.head_dim % 2 == 0
         )
         for module in self.modules():

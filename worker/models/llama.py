@@ -172,14 +172,12 @@ class LlamaForCausalLM(nn.Module):
 
     def use_native(self, enabled: bool) -> bool:
         """Run the norms, SiLU-mul and rotary on the native kernels from now on where they
-        apply (bf16 weights on CPU, the kernels loaded); returns whether they do. Chosen once,
-        at load: the forward is the same either way."""
-        param = self.lm_head.weight
+        apply (CPU, bf16 or float32 weights, the kernels for them loaded); returns whether
+        they do. Chosen once, at load: the forward is the same either way."""
         chosen = (
             enabled
-            and native.bf16()
-            and param.device.type == "cpu"
-            and self.model.embed_tokens.weight.dtype == torch.bfloat16
+            and native.serves(self.lm_head.weight)
+            and native.serves(self.model.embed_tokens.weight)
             and head_dim_of(self.config) % 2 == 0
         )
         for module in self.modules():

@@ -1,11 +1,12 @@
 """A decoder's layers as one native call per step, where every layer is Llama-shaped and
-runs on the native kernels (`worker/layers/native/stack_bf16.cpp`).
+runs on the native kernels (`worker/layers/native/stack.cpp`), in bf16 or float32.
 
 The C++ stack runs the ops the Python layers would run, in their order, on the same tensors:
 results are bit for bit the Python loop's, without its per-layer calls. A model qualifies
 when every layer has plain pre-norm attention (no q/k norms, clipping, soft-cap or window)
 with native rows, native norms without offset, native full rotary shared by all layers, a
-SwiGLU MLP, and every projection on the bf16 or native int4 kernel; any other model, and any
+SwiGLU MLP, and every projection on a native kernel of the caches' dtype (bf16 or int4 on bf16
+activations; float32 or int4 on float32 activations); any other model, and any
 step that is not all rows (prefill chunks outside the invariant mode), keeps the Python loop.
 """
 
@@ -29,7 +30,7 @@ from worker.layers.linear_kernels import NativeKernel
 from worker.layers.quant import Int4Kernel
 
 _EMPTY = torch.empty(0)
-KIND_BF16, KIND_BF16_AMX, KIND_INT4 = 0, 1, 2
+KIND_BF16, KIND_BF16_AMX, KIND_INT4, KIND_F32, KIND_INT4_F32 = 0, 1, 2, 3, 4
 
 
 class NativeStack:
@@ -68,7 +69,7 @@ class LayerStack:
         self._built_at = -1  # `num_changes()` when built
 
     def for_step(self, layers: nn.ModuleList, num_tokens: int) -> NativeStack | None:
-        if not native.bf16() or torch.compiler.is_compiling():
+        if not native.loaded() or torch.compiler.is_compiling():
             return None
         meta = current_attention_metadata()
         if meta is None or not step_fits(meta, num_tokens):
@@ -132,7 +133,7 @@ def _plain_attention(layer: Any, rotary: Any, shape: tuple[Any, ...]) -> bool:
         and attn.native_rows
         and not attn.local_pool
         and attn.k_cache is not None
-        and attn.k_cache.dtype == torch.bfloat16
+        and attn.k_cache.dtype in (torch.bfloat16, torch.float32)
     )
 
 
@@ -150,24 +151,33 @@ def _layer_parts(
         return None
     tensors = [norm.weight for norm in norms]
     ints: list[int] = []
+    attn = layer.self_attn.attn
     for linear in _linears(layer):
-        part = _linear_part(linear)
+        part = _linear_part(linear, attn.k_cache.dtype)
         if part is None:
             return None
         tensors += [part[0], part[1]]
         ints += [part[2], linear.out_features]
-    attn = layer.self_attn.attn
     tensors += [attn.k_cache, attn.v_cache]
     return tensors, ints
 
 
-def _linear_part(linear: Linear) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-    """(packed weight, bias or an empty tensor, kind) of a native bf16 or int4 kernel."""
+def _linear_part(
+    linear: Linear, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """(packed weight, bias or an empty tensor, kind) of a native kernel on `dtype`
+    activations: bf16 or float32, or int4 computing in that dtype."""
     kernel = linear.kernel
-    if isinstance(kernel, NativeKernel) and not kernel.is_f32:
+    f32 = dtype == torch.float32
+    if isinstance(kernel, NativeKernel) and kernel.is_f32 == f32:
         bias = kernel.bias if kernel.bias is not None else _EMPTY
-        return kernel.packed, bias, KIND_BF16_AMX if kernel.amx else KIND_BF16
-    if isinstance(kernel, Int4Kernel) and kernel.native_packed is not None:
+        kind = KIND_F32 if f32 else KIND_BF16_AMX if kernel.amx else KIND_BF16
+        return kernel.packed, bias, kind
+    if (
+        isinstance(kernel, Int4Kernel)
+        and kernel.native_packed is not None
+        and kernel.compute_dtype == dtype
+    ):
         bias = kernel.bias if kernel.bias is not None else _EMPTY
-        return kernel.native_packed, bias, KIND_INT4
+        return kernel.native_packed, bias, KIND_INT4_F32 if f32 else KIND_INT4
     return None

@@ -11,9 +11,10 @@ milliseconds (a first build takes ~20 s). `make install` builds it once more int
 environment (`python -m worker.prepare`, under `{sys.prefix}/share/ladle/native/`), where a
 start with an empty cache finds it under the same name.
 
-The bf16 kernels (bf16, int4 and int8 matmuls, bf16 attention, the fused small ops) need
-AVX512-BF16 (`bf16()`); the float32 matmul and float32 attention, all that a batch-invariant
-float32 model needs, also build for AVX2 with FMA (`vec16.h`: AMD Zen 2/3, older Intel).
+The bf16 kernels (bf16, int4 and int8 matmuls on bf16 activations, bf16 attention, the bf16
+small ops) need AVX512-BF16 (`bf16()`); the float32 ones (matmul, int4 and int8 on float32
+activations, attention, the small ops, the layer stack: all a float32 model needs) also build
+for AVX2 with FMA (`vec16.h`: AMD Zen 2/3, older Intel).
 Nothing depends on them: where there is no compiler, the build fails, or the CPU lacks the
 instructions, `load` says why in one log line and returns False, and the kernels built on it
 (`worker/layers/linear_kernels.py`) do not apply, so the autotuner never offers them.
@@ -22,6 +23,7 @@ instructions, `load` says why in one log line and returns False, and the kernels
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -31,6 +33,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -48,10 +51,11 @@ SOURCES = tuple(
         "gemm_f32.cpp",
         "attention.cpp",
         "glue_bf16.cpp",
-        "stack_bf16.cpp",
+        "glue_f32.cpp",
+        "stack.cpp",
     )
 )
-HEADERS = tuple(_HERE / name for name in ("vec_bf16.h", "vec16.h", "gemm.h", "gemm_q8.h"))
+HEADERS = tuple(_HERE / name for name in ("vec_bf16.h", "vec16.h", "gemm.h", "gemm_q8.h", "glue.h"))
 BUILD_TIMEOUT_S = 600
 _state: dict[str, object] = {}  # "loaded": bool, "reason": str (why not)
 
@@ -209,10 +213,30 @@ def loaded() -> bool:
 
 
 def bf16() -> bool:
-    """Whether the bf16 kernels (bf16, int4 and int8 matmuls, bf16 attention, the fused small
-    ops, the layer stack) are in use: a CPU with AVX512-BF16. A CPU with only AVX2 and FMA has
-    the float32 matmul and float32 attention alone, which are what batch invariance needs."""
+    """Whether the bf16 kernels (bf16, int4 and int8 matmuls on bf16 activations, bf16
+    attention, the bf16 small ops) are in use: a CPU with AVX512-BF16. A CPU with only AVX2
+    and FMA has the float32 ones alone (matmul, int4 and int8 on float32 activations,
+    attention, small ops, the layer stack), which serve a float32 model."""
     return loaded() and bool(_state.get("bf16"))
+
+
+_SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "f32"}
+
+
+def serves(t: torch.Tensor) -> bool:
+    """Whether the fused small ops (and so the layer stack) serve a model whose weights are
+    like t: on CPU, in bf16 with the bf16 kernels, in float32 with any native kernels."""
+    if t.device.type != "cpu":
+        return False
+    return bf16() if t.dtype == torch.bfloat16 else t.dtype == torch.float32 and loaded()
+
+
+@functools.cache
+def op(name: str, dtype: torch.dtype) -> Any:
+    """The fused small op `name` for `dtype` activations: ("rms_norm", torch.float32) is
+    `ladle_native.rms_norm_f32`, ("rotary_", torch.bfloat16) `ladle_native.rotary_bf16_`."""
+    base, in_place = name.removesuffix("_"), "_" if name.endswith("_") else ""
+    return getattr(torch.ops.ladle_native, f"{base}_{_SUFFIXES[dtype]}{in_place}")
 
 
 def status() -> str:

@@ -1,4 +1,4 @@
-// Paged attention, one query row at a time, and the bf16 KV cache write.
+// Paged attention, one query row at a time, and the KV cache write (bf16 or float32).
 //
 // Every query row (a decode token, a draft being verified, or a prefill token) attends to
 // its own cached positions [start, context_len) through its own block table (start > 0 for
@@ -359,16 +359,17 @@ at::Tensor paged_attention_rows(const at::Tensor& q, const at::Tensor& k_cache,
 }
 
 // k, v [T, Hkv, D] into slot slots[t] of every head's cache.
-void write_kv_bf16(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
-                   at::Tensor& v_cache, const at::Tensor& slots) {
+void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+              const at::Tensor& slots) {
   check_cache(k_cache, "k_cache");
   check_cache(v_cache, "v_cache");
-  TORCH_CHECK(k_cache.scalar_type() == at::kBFloat16, "write_kv_bf16 needs bf16 caches");
+  const at::ScalarType dtype = k_cache.scalar_type();
+  TORCH_CHECK(v_cache.scalar_type() == dtype, "k_cache and v_cache differ in dtype");
   const int64_t T = k.size(0), Hkv = k_cache.size(0), D = k_cache.size(3);
   const int64_t num_slots = k_cache.size(1) * k_cache.size(2);
   TORCH_CHECK(k.dim() == 3 && k.size(1) == Hkv && k.size(2) == D && v.sizes() == k.sizes() &&
-                  k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
-              "k and v must be bf16 [tokens, kv_heads, head_dim] matching the cache");
+                  k.scalar_type() == dtype && v.scalar_type() == dtype,
+              "k and v must be [tokens, kv_heads, head_dim] of the cache's shape and dtype");
   TORCH_CHECK(slots.dim() == 1 && slots.size(0) == T && slots.scalar_type() == at::kLong,
               "one int64 slot per token");
   // k and v may be views of the fused qkv output: rows strided, each row's heads contiguous
@@ -379,17 +380,19 @@ void write_kv_bf16(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache
   const int64_t* sp = sc.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot ", sp[t], " out of range");
-  const auto* ks = reinterpret_cast<const uint16_t*>(kc.data_ptr());
-  const auto* vs = reinterpret_cast<const uint16_t*>(vc.data_ptr());
-  auto* kd = reinterpret_cast<uint16_t*>(k_cache.data_ptr());
-  auto* vd = reinterpret_cast<uint16_t*>(v_cache.data_ptr());
-  const size_t row = static_cast<size_t>(D) * sizeof(uint16_t);
-  const int64_t k_row = kc.stride(0), v_row = vc.stride(0);
+  const int64_t size = static_cast<int64_t>(k_cache.element_size());
+  const auto* ks = static_cast<const char*>(kc.data_ptr());
+  const auto* vs = static_cast<const char*>(vc.data_ptr());
+  auto* kd = static_cast<char*>(k_cache.data_ptr());
+  auto* vd = static_cast<char*>(v_cache.data_ptr());
+  const size_t row = static_cast<size_t>(D * size);
+  const int64_t k_row = kc.stride(0) * size, v_row = vc.stride(0) * size;
   at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       for (int64_t h = 0; h < Hkv; ++h) {
-        std::memcpy(kd + (h * num_slots + sp[t]) * D, ks + t * k_row + h * D, row);
-        std::memcpy(vd + (h * num_slots + sp[t]) * D, vs + t * v_row + h * D, row);
+        const int64_t at_slot = (h * num_slots + sp[t]) * D * size;
+        std::memcpy(kd + at_slot, ks + t * k_row + h * D * size, row);
+        std::memcpy(vd + at_slot, vs + t * v_row + h * D * size, row);
       }
   });
 }
@@ -400,10 +403,10 @@ TORCH_LIBRARY_FRAGMENT(ladle_native, m) {
   m.def(
       "paged_attention_rows(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, "
       "Tensor context_lens, float scale, Tensor? starts=None, float softcap=0.0) -> Tensor");
-  m.def("write_kv_bf16(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()");
+  m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(ladle_native, CPU, m) {
   m.impl("paged_attention_rows", &paged_attention_rows);
-  m.impl("write_kv_bf16", &write_kv_bf16);
+  m.impl("write_kv", &write_kv);
 }

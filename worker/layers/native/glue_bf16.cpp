@@ -21,6 +21,7 @@
 
 #include <immintrin.h>
 
+#include "glue.h"
 #include "vec_bf16.h"
 
 #include <cmath>
@@ -29,21 +30,9 @@
 
 namespace {
 
-// Rows per thread below which a pass stays on one thread (an OpenMP fork costs more).
-constexpr int64_t kGrainElements = 1 << 15;
-
-int64_t grain_rows(int64_t row_elements) {
-  return row_elements > 0 ? (kGrainElements + row_elements - 1) / row_elements : 1;
-}
-
-void check_rows(const at::Tensor& x, const char* name) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, name,
-              " must be bf16 [rows, features] with contiguous rows");
-}
+using namespace ladle;
 
 #if defined(__AVX512BF16__)
-
-using namespace ladle;
 
 // One row: out = w * bf16(x * rstd), or with `offset` (Gemma) bf16(x * rstd * (offset + w));
 // x already summed (x + residual, rounded) by the caller.
@@ -134,16 +123,10 @@ void rotate_head(uint16_t* x, const uint16_t* c, const uint16_t* s, int64_t half
 const uint16_t* bits(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); }
 uint16_t* bits_mut(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); }
 
-void check_weight(const at::Tensor& w, int64_t n) {
-  TORCH_CHECK(w.dim() == 1 && w.numel() == n && w.scalar_type() == at::kBFloat16 &&
-                  w.is_contiguous(),
-              "weight must be a contiguous bf16 vector of ", n);
-}
-
 at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& weight, double eps, double offset) {
-  check_rows(x, "x");
+  check_rows(x, at::kBFloat16, "x");
   const int64_t rows = x.size(0), n = x.size(1);
-  check_weight(weight, n);
+  check_weight(weight, n, at::kBFloat16);
   at::Tensor out = at::empty({rows, n}, x.options());
 #if defined(__AVX512BF16__)
   const uint16_t *xp = bits(x), *wp = bits(weight);
@@ -162,11 +145,9 @@ at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& weight, double e
 std::tuple<at::Tensor, at::Tensor> add_rms_norm_bf16(const at::Tensor& x, const at::Tensor& residual,
                                                      const at::Tensor& weight, double eps,
                                                      double offset) {
-  check_rows(x, "x");
-  check_rows(residual, "residual");
+  check_residual(x, residual, at::kBFloat16);
   const int64_t rows = x.size(0), n = x.size(1);
-  TORCH_CHECK(residual.size(0) == rows && residual.size(1) == n, "x and residual differ in shape");
-  check_weight(weight, n);
+  check_weight(weight, n, at::kBFloat16);
   at::Tensor out = at::empty({rows, n}, x.options());
   at::Tensor sum = at::empty({rows, n}, x.options());
 #if defined(__AVX512BF16__)
@@ -188,7 +169,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_bf16(const at::Tensor& x, const 
 // act(x[:, :n]) * x[:, n:] for each row, `Op` the fused activation-and-multiply.
 template <__m512 (*Op)(__m512, __m512)>
 at::Tensor gated_mul_bf16(const at::Tensor& x) {
-  check_rows(x, "x");
+  check_rows(x, at::kBFloat16, "x");
   const int64_t rows = x.size(0), n = x.size(1) / 2;
   TORCH_CHECK(x.size(1) % 2 == 0, "x must hold [gate | up]");
   at::Tensor out = at::empty({rows, n}, x.options());
@@ -226,22 +207,9 @@ at::Tensor gelu_tanh_mul_bf16(const at::Tensor& x) { TORCH_CHECK(false, "no AVX5
 
 void rotary_bf16_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
                   const at::Tensor& sin, int64_t heads) {
-  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kBFloat16 && x.stride(2) == 1 &&
-                  x.stride(1) == x.size(2),
-              "x must be bf16 [tokens, heads, head_dim] with contiguous heads");
+  const at::Tensor pc = check_rotary(x, positions, cos, sin, heads, at::kBFloat16);
   const int64_t T = x.size(0), D = x.size(2);
-  TORCH_CHECK(heads <= x.size(1) && D % 2 == 0, "bad head count or odd head_dim");
-  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == D && cos.is_contiguous() &&
-                  cos.scalar_type() == at::kBFloat16 && sin.sizes() == cos.sizes() &&
-                  sin.is_contiguous() && sin.scalar_type() == at::kBFloat16,
-              "cos and sin must be contiguous bf16 [positions, head_dim]");
-  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == T &&
-                  positions.scalar_type() == at::kLong,
-              "one int64 position per token");
-  const at::Tensor pc = positions.contiguous();
   const int64_t* pp = pc.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(pp[t] >= 0 && pp[t] < cos.size(0), "position ", pp[t], " beyond the cache");
 #if defined(__AVX512BF16__)
   uint16_t* xp = bits_mut(x);
   const uint16_t *cp = bits(cos), *sp = bits(sin);

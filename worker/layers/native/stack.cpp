@@ -1,11 +1,12 @@
 // A run of Llama-shaped decoder layers in one call (worker/layers/native_stack.py builds it).
 //
 // Each layer runs exactly the ops the Python forward runs (worker/models/decoder.py with the
-// native kernels: add_rms_norm_bf16, the qkv matmul, rotary_bf16_ in place, write_kv_bf16,
-// paged_attention_rows on q read in place, the o matmul, add_rms_norm_bf16, gate_up,
-// silu_mul_bf16, down), in the same order and on the same tensors, so a step's results are
-// bit for bit the Python loop's; what goes is the ~25 Python calls per layer between them
-// (a few milliseconds a step on a small model, as much as its matmuls at one row).
+// native kernels: add_rms_norm, the qkv matmul, rotary in place, write_kv,
+// paged_attention_rows on q read in place, the o matmul, add_rms_norm, gate_up, silu_mul,
+// down; the _bf16 ops for a bf16 model, the _f32 ones for a float32 one), in the same order
+// and on the same tensors, so a step's results are bit for bit the Python loop's; what goes
+// is the ~25 Python calls per layer between them (a few milliseconds a step on a small model,
+// as much as its matmuls at one row).
 //
 // The ops are called through the dispatcher, handles looked up once: each costs about a
 // microsecond, against tens of microseconds through Python.
@@ -22,7 +23,8 @@
 
 namespace {
 
-enum LinearKind : int64_t { kBf16 = 0, kBf16Amx = 1, kInt4 = 2 };
+// kF32 and kInt4F32 serve float32 stacks (gemm_f32, gemm_int4_f32), the others bf16 ones.
+enum LinearKind : int64_t { kBf16 = 0, kBf16Amx = 1, kInt4 = 2, kF32 = 3, kInt4F32 = 4 };
 
 struct Linear {
   at::Tensor packed;
@@ -41,6 +43,7 @@ struct Stack {
   at::Tensor cos, sin;
   int64_t num_heads = 0, num_kv_heads = 0, head_dim = 0;
   double eps = 0.0, scale = 0.0;
+  bool f32 = false;  // float32 caches, weights and activations
 };
 
 std::mutex registry_mutex;
@@ -51,37 +54,39 @@ c10::TypedOperatorHandle<Signature> op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
 }
 
+using Gemm = at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&);
+using GemmBf16 = at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
+                            bool);
+using GemmQuant = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t,
+                             const c10::optional<at::Tensor>&);
+using AddNorm = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                   const at::Tensor&, double, double);
+using Unary = at::Tensor(const at::Tensor&);
+using Rotary = void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t);
+using WriteKv = void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&,
+                     const at::Tensor&);
+using Attention = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                             const at::Tensor&, const at::Tensor&, double,
+                             const std::optional<at::Tensor>&, double);
+
+// The small ops of one activation dtype.
+struct Glue {
+  c10::TypedOperatorHandle<AddNorm> add_rms_norm;
+  c10::TypedOperatorHandle<Unary> silu_mul;
+  c10::TypedOperatorHandle<Rotary> rotary;
+};
+
 struct Ops {
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&,
-                                      const c10::optional<at::Tensor>&, bool)>
-      gemm_bf16 = op<at::Tensor(const at::Tensor&, const at::Tensor&,
-                                const c10::optional<at::Tensor>&, bool)>("ladle_native::gemm_bf16");
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t,
-                                      const c10::optional<at::Tensor>&)>
-      gemm_int4 = op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t,
-                                const c10::optional<at::Tensor>&)>("ladle_native::gemm_int4");
-  c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor>(
-      const at::Tensor&, const at::Tensor&, const at::Tensor&, double, double)>
-      add_rms_norm = op<std::tuple<at::Tensor, at::Tensor>(
-          const at::Tensor&, const at::Tensor&, const at::Tensor&, double, double)>(
-          "ladle_native::add_rms_norm_bf16");
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_mul =
-      op<at::Tensor(const at::Tensor&)>("ladle_native::silu_mul_bf16");
-  c10::TypedOperatorHandle<void(at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                const at::Tensor&, int64_t)>
-      rotary = op<void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                       int64_t)>("ladle_native::rotary_bf16_");
-  c10::TypedOperatorHandle<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&,
-                                const at::Tensor&)>
-      write_kv = op<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&,
-                         const at::Tensor&)>("ladle_native::write_kv_bf16");
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                      const at::Tensor&, const at::Tensor&, double,
-                                      const std::optional<at::Tensor>&, double)>
-      attention = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                const at::Tensor&, const at::Tensor&, double,
-                                const std::optional<at::Tensor>&, double)>(
-          "ladle_native::paged_attention_rows");
+  c10::TypedOperatorHandle<GemmBf16> gemm_bf16 = op<GemmBf16>("ladle_native::gemm_bf16");
+  c10::TypedOperatorHandle<Gemm> gemm_f32 = op<Gemm>("ladle_native::gemm_f32");
+  c10::TypedOperatorHandle<GemmQuant> gemm_int4 = op<GemmQuant>("ladle_native::gemm_int4");
+  c10::TypedOperatorHandle<GemmQuant> gemm_int4_f32 = op<GemmQuant>("ladle_native::gemm_int4_f32");
+  Glue bf16{op<AddNorm>("ladle_native::add_rms_norm_bf16"), op<Unary>("ladle_native::silu_mul_bf16"),
+            op<Rotary>("ladle_native::rotary_bf16_")};
+  Glue f32{op<AddNorm>("ladle_native::add_rms_norm_f32"), op<Unary>("ladle_native::silu_mul_f32"),
+           op<Rotary>("ladle_native::rotary_f32_")};
+  c10::TypedOperatorHandle<WriteKv> write_kv = op<WriteKv>("ladle_native::write_kv");
+  c10::TypedOperatorHandle<Attention> attention = op<Attention>("ladle_native::paged_attention_rows");
 };
 
 const Ops& ops() {
@@ -89,14 +94,22 @@ const Ops& ops() {
   return handles;
 }
 
-// What `Linear.forward` computes with the layer's kernel: the bf16 kernels add the bias
-// inside, the int4 one after, in bf16 (as `WeightOnlyKernel.__call__`).
+// What `Linear.forward` computes with the layer's kernel: the bf16 and float32 kernels add
+// the bias inside, the int4 ones after, in the activations' dtype (as `WeightOnlyKernel`).
 at::Tensor linear(const Linear& l, const at::Tensor& x) {
-  if (l.kind == kInt4) {
-    at::Tensor out = ops().gemm_int4.call(x, l.packed, l.out_features, c10::nullopt);
-    return l.bias ? out + *l.bias : out;
+  const Ops& o = ops();
+  switch (l.kind) {
+    case kInt4:
+    case kInt4F32: {
+      const auto& gemm = l.kind == kInt4 ? o.gemm_int4 : o.gemm_int4_f32;
+      at::Tensor out = gemm.call(x, l.packed, l.out_features, c10::nullopt);
+      return l.bias ? out + *l.bias : out;
+    }
+    case kF32:
+      return o.gemm_f32.call(x, l.packed, l.bias);
+    default:
+      return o.gemm_bf16.call(x, l.packed, l.bias, l.kind == kBf16Amx);
   }
-  return ops().gemm_bf16.call(x, l.packed, l.bias, l.kind == kBf16Amx);
 }
 
 Linear linear_from(const std::vector<at::Tensor>& t, size_t at_index, const int64_t* ints) {
@@ -105,7 +118,7 @@ Linear linear_from(const std::vector<at::Tensor>& t, size_t at_index, const int6
   if (t[at_index + 1].numel() > 0) l.bias = t[at_index + 1];
   l.kind = ints[0];
   l.out_features = ints[1];
-  TORCH_CHECK(l.kind == kBf16 || l.kind == kBf16Amx || l.kind == kInt4, "unknown linear kind");
+  TORCH_CHECK(l.kind >= kBf16 && l.kind <= kInt4F32, "unknown linear kind");
   return l;
 }
 
@@ -135,6 +148,12 @@ int64_t stack_create(const std::vector<at::Tensor>& tensors, const std::vector<i
     layer.down = linear_from(tensors, t + 8, n + 6);
     layer.k_cache = tensors[t + 10];
     layer.v_cache = tensors[t + 11];
+    if (i == 0) stack->f32 = layer.k_cache.scalar_type() == at::kFloat;
+    TORCH_CHECK((layer.k_cache.scalar_type() == at::kFloat) == stack->f32,
+                "stack_create: every layer's cache must have one dtype");
+    for (const Linear* l : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down})
+      TORCH_CHECK((l->kind == kF32 || l->kind == kInt4F32) == stack->f32,
+                  "stack_create: a linear's kind does not match the cache's dtype");
     stack->layers.push_back(std::move(layer));
   }
   stack->cos = tensors[tensors.size() - 2];
@@ -170,11 +189,12 @@ std::tuple<at::Tensor, at::Tensor> layer_forward(const Stack& s, const Layer& l,
                                                  const at::Tensor& slots, const at::Tensor& tables,
                                                  const at::Tensor& lens) {
   const Ops& o = ops();
-  auto [x, stream] = o.add_rms_norm.call(hidden, residual, l.input_norm, s.eps, 0.0);
+  const Glue& g = s.f32 ? o.f32 : o.bf16;
+  auto [x, stream] = g.add_rms_norm.call(hidden, residual, l.input_norm, s.eps, 0.0);
   const at::Tensor qkv = linear(l.qkv, x);
   const int64_t tokens = qkv.size(0), num_qk = s.num_heads + s.num_kv_heads;
   at::Tensor heads = qkv.view({tokens, -1, s.head_dim});
-  o.rotary.call(heads, positions, s.cos, s.sin, num_qk);
+  g.rotary.call(heads, positions, s.cos, s.sin, num_qk);
   const at::Tensor q = heads.slice(1, 0, s.num_heads);
   const at::Tensor k = heads.slice(1, s.num_heads, num_qk);
   const at::Tensor v = heads.slice(1, num_qk);
@@ -183,8 +203,8 @@ std::tuple<at::Tensor, at::Tensor> layer_forward(const Stack& s, const Layer& l,
   const at::Tensor attended =
       o.attention.call(q, l.k_cache, l.v_cache, tables, lens, s.scale, std::nullopt, 0.0);
   const at::Tensor projected = linear(l.o, attended.view({tokens, -1}));
-  auto [y, stream2] = o.add_rms_norm.call(projected, stream, l.post_norm, s.eps, 0.0);
-  const at::Tensor out = linear(l.down, o.silu_mul.call(linear(l.gate_up, y)));
+  auto [y, stream2] = g.add_rms_norm.call(projected, stream, l.post_norm, s.eps, 0.0);
+  const at::Tensor out = linear(l.down, g.silu_mul.call(linear(l.gate_up, y)));
   return {out, stream2};
 }
 

@@ -35,6 +35,11 @@ inline V16 v_mul(V16 a, V16 b) { return _mm512_mul_ps(a, b); }
 inline V16 v_div(V16 a, V16 b) { return _mm512_div_ps(a, b); }
 inline V16 v_fmadd(V16 a, V16 b, V16 c) { return _mm512_fmadd_ps(a, b, c); }
 inline V16 v_exp(V16 x) { return exp_ps(x); }
+inline V16 v_abs(V16 x) { return _mm512_abs_ps(x); }
+// |magnitude| with the sign of `sign`'s lanes (magnitude's own sign bit must be clear)
+inline V16 v_with_sign(V16 magnitude, V16 sign) {
+  return _mm512_or_ps(magnitude, _mm512_and_ps(sign, _mm512_set1_ps(-0.0f)));
+}
 // Lanes [0, n) of p, zeros above; stores and maxima of lanes [0, n) only (1 <= n <= 16).
 inline V16 v_load_first(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(tail_mask(n), p); }
 inline void v_store_first(float* p, V16 v, int64_t n) { _mm512_mask_storeu_ps(p, tail_mask(n), v); }
@@ -114,6 +119,15 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 inline V16 v_exp(V16 x) { return {exp8(x.lo), exp8(x.hi)}; }
+inline V16 v_abs(V16 x) {
+  const __m256 bits = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  return {_mm256_and_ps(x.lo, bits), _mm256_and_ps(x.hi, bits)};
+}
+inline V16 v_with_sign(V16 magnitude, V16 sign) {
+  const __m256 bit = _mm256_set1_ps(-0.0f);
+  return {_mm256_or_ps(magnitude.lo, _mm256_and_ps(sign.lo, bit)),
+          _mm256_or_ps(magnitude.hi, _mm256_and_ps(sign.hi, bit))};
+}
 
 // all ones in lanes [from, from + n) of an 8-lane mask, for maskload / maskstore
 inline __m256i first_lanes8(int64_t n) {
