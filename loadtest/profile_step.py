@@ -186,6 +186,9 @@ def main() -> None:
     parser.add_argument(
         "--deterministic", default="on", choices=["on", "off"], help="batch-invariant kernels"
     )
+    parser.add_argument(
+        "--lm-head-quantization", default="none", choices=["auto", "none", "int8"]
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
@@ -201,6 +204,7 @@ def main() -> None:
         compile=args.compile,
         linear_kernel=args.linear_kernel,
         quantization=args.quantization,
+        lm_head_quantization=args.lm_head_quantization,
         native_kernels=args.native == "on",
         deterministic=args.deterministic == "on",
     )

@@ -94,8 +94,8 @@ class Settings(BaseSettings):
     native_kernels: bool = Field(
         True,
         description="Ladle's own C++ CPU kernels (bf16, int4 and float32 matmuls, paged "
-        "attention), built with g++ at first start and cached; off: oneDNN matmuls and eager "
-        "attention only",
+        "attention, the fused small ops and layer stack), built with g++ at first start and "
+        "cached; off: oneDNN matmuls and eager attention only",
     )
     deterministic: bool = Field(
         True,
