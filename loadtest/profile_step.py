@@ -186,9 +186,7 @@ def main() -> None:
     parser.add_argument(
         "--deterministic", default="on", choices=["on", "off"], help="batch-invariant kernels"
     )
-    parser.add_argument(
-        "--lm-head-quantization", default="none", choices=["auto", "none", "int8"]
-    )
+    parser.add_argument("--lm-head-quantization", default="none", choices=["auto", "none", "int8"])
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
