@@ -118,110 +118,48 @@ void rotate_head(uint16_t* x, const uint16_t* c, const uint16_t* s, int64_t half
   }
 }
 
+// One row of act(gate) * up, `Op` the fused activation-and-multiply.
+template <__m512 (*Op)(__m512, __m512)>
+void gated_row(const uint16_t* gate, const uint16_t* up, int64_t n, uint16_t* dst) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) store_bf16(dst + i, Op(bf16_to_f32(gate + i), bf16_to_f32(up + i)));
+  if (i < n) {
+    const __mmask16 m = tail_mask(n - i);
+    store_bf16_masked(dst + i, Op(bf16_to_f32_masked(gate + i, m), bf16_to_f32_masked(up + i, m)),
+                      m);
+  }
+}
+
 #endif  // __AVX512BF16__
 
-const uint16_t* bits(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); }
-uint16_t* bits_mut(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); }
+#if defined(__AVX512BF16__)
+#define LADLE_BF16(call) return call
+#else
+#define LADLE_BF16(call) TORCH_CHECK(false, "ladle_native: built without AVX512-BF16")
+#endif
 
 at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& weight, double eps, double offset) {
-  check_rows(x, at::kBFloat16, "x");
-  const int64_t rows = x.size(0), n = x.size(1);
-  check_weight(weight, n, at::kBFloat16);
-  at::Tensor out = at::empty({rows, n}, x.options());
-#if defined(__AVX512BF16__)
-  const uint16_t *xp = bits(x), *wp = bits(weight);
-  uint16_t* op = bits_mut(out);
-  const int64_t ldx = x.stride(0);
-  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r)
-      norm_row(xp + r * ldx, wp, static_cast<float>(eps), static_cast<float>(offset), n, op + r * n);
-  });
-#else
-  TORCH_CHECK(false, "ladle_native: built without AVX512-BF16");
-#endif
-  return out;
+  LADLE_BF16((rms_norm_rows<uint16_t, norm_row>(x, weight, eps, offset, at::kBFloat16)));
 }
 
 std::tuple<at::Tensor, at::Tensor> add_rms_norm_bf16(const at::Tensor& x, const at::Tensor& residual,
                                                      const at::Tensor& weight, double eps,
                                                      double offset) {
-  check_residual(x, residual, at::kBFloat16);
-  const int64_t rows = x.size(0), n = x.size(1);
-  check_weight(weight, n, at::kBFloat16);
-  at::Tensor out = at::empty({rows, n}, x.options());
-  at::Tensor sum = at::empty({rows, n}, x.options());
-#if defined(__AVX512BF16__)
-  const uint16_t *xp = bits(x), *rp = bits(residual), *wp = bits(weight);
-  uint16_t *op = bits_mut(out), *sp = bits_mut(sum);
-  const int64_t ldx = x.stride(0), ldr = residual.stride(0);
-  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      add_row(xp + r * ldx, rp + r * ldr, n, sp + r * n);
-      norm_row(sp + r * n, wp, static_cast<float>(eps), static_cast<float>(offset), n, op + r * n);
-    }
-  });
-#else
-  TORCH_CHECK(false, "ladle_native: built without AVX512-BF16");
-#endif
-  return {out, sum};
+  LADLE_BF16((add_rms_norm_rows<uint16_t, add_row, norm_row>(x, residual, weight, eps, offset,
+                                                             at::kBFloat16)));
 }
 
-// act(x[:, :n]) * x[:, n:] for each row, `Op` the fused activation-and-multiply.
-template <__m512 (*Op)(__m512, __m512)>
-at::Tensor gated_mul_bf16(const at::Tensor& x) {
-  check_rows(x, at::kBFloat16, "x");
-  const int64_t rows = x.size(0), n = x.size(1) / 2;
-  TORCH_CHECK(x.size(1) % 2 == 0, "x must hold [gate | up]");
-  at::Tensor out = at::empty({rows, n}, x.options());
-#if defined(__AVX512BF16__)
-  const uint16_t* xp = bits(x);
-  uint16_t* op = bits_mut(out);
-  const int64_t ldx = x.stride(0);
-  at::parallel_for(0, rows, grain_rows(2 * n), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const uint16_t *gate = xp + r * ldx, *up = gate + n;
-      uint16_t* dst = op + r * n;
-      int64_t i = 0;
-      for (; i + 16 <= n; i += 16)
-        store_bf16(dst + i, Op(bf16_to_f32(gate + i), bf16_to_f32(up + i)));
-      if (i < n) {
-        const __mmask16 m = tail_mask(n - i);
-        store_bf16_masked(
-            dst + i, Op(bf16_to_f32_masked(gate + i, m), bf16_to_f32_masked(up + i, m)), m);
-      }
-    }
-  });
-#else
-  TORCH_CHECK(false, "ladle_native: built without AVX512-BF16");
-#endif
-  return out;
+at::Tensor silu_mul_bf16(const at::Tensor& x) {
+  LADLE_BF16((gated_mul_rows<uint16_t, gated_row<silu_mul>>(x, at::kBFloat16)));
 }
 
-#if defined(__AVX512BF16__)
-at::Tensor silu_mul_bf16(const at::Tensor& x) { return gated_mul_bf16<silu_mul>(x); }
-at::Tensor gelu_tanh_mul_bf16(const at::Tensor& x) { return gated_mul_bf16<gelu_tanh_mul>(x); }
-#else
-at::Tensor silu_mul_bf16(const at::Tensor& x) { TORCH_CHECK(false, "no AVX512-BF16"); }
-at::Tensor gelu_tanh_mul_bf16(const at::Tensor& x) { TORCH_CHECK(false, "no AVX512-BF16"); }
-#endif
+at::Tensor gelu_tanh_mul_bf16(const at::Tensor& x) {
+  LADLE_BF16((gated_mul_rows<uint16_t, gated_row<gelu_tanh_mul>>(x, at::kBFloat16)));
+}
 
 void rotary_bf16_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
                   const at::Tensor& sin, int64_t heads) {
-  const at::Tensor pc = check_rotary(x, positions, cos, sin, heads, at::kBFloat16);
-  const int64_t T = x.size(0), D = x.size(2);
-  const int64_t* pp = pc.data_ptr<int64_t>();
-#if defined(__AVX512BF16__)
-  uint16_t* xp = bits_mut(x);
-  const uint16_t *cp = bits(cos), *sp = bits(sin);
-  const int64_t ldx = x.stride(0);
-  at::parallel_for(0, T, grain_rows(heads * D), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t)
-      for (int64_t h = 0; h < heads; ++h)
-        rotate_head(xp + t * ldx + h * D, cp + pp[t] * D, sp + pp[t] * D, D / 2);
-  });
-#else
-  TORCH_CHECK(false, "ladle_native: built without AVX512-BF16");
-#endif
+  LADLE_BF16((rotary_rows<uint16_t, rotate_head>(x, positions, cos, sin, heads, at::kBFloat16)));
 }
 
 }  // namespace

@@ -93,99 +93,43 @@ void rotate_head(float* x, const float* c, const float* s, int64_t half) {
   }
 }
 
+// One row of act(gate) * up, `Op` the fused activation-and-multiply.
+template <V16 (*Op)(V16, V16)>
+void gated_row(const float* gate, const float* up, int64_t n, float* dst) {
+  for (int64_t i = 0; i < n; i += 16)
+    store_part(dst + i, Op(load_part(gate + i, n - i), load_part(up + i, n - i)), n - i);
+}
+
 #endif  // LADLE_V16
 
-#define LADLE_NEEDS_V16 TORCH_CHECK(false, "ladle_native: built without AVX-512 or AVX2")
+#if defined(LADLE_V16)
+#define LADLE_F32(call) return call
+#else
+#define LADLE_F32(call) TORCH_CHECK(false, "ladle_native: built without AVX-512 or AVX2")
+#endif
 
 at::Tensor rms_norm_f32(const at::Tensor& x, const at::Tensor& weight, double eps, double offset) {
-  check_rows(x, at::kFloat, "x");
-  const int64_t rows = x.size(0), n = x.size(1);
-  check_weight(weight, n, at::kFloat);
-  at::Tensor out = at::empty({rows, n}, x.options());
-#if defined(LADLE_V16)
-  const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t ldx = x.stride(0);
-  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r)
-      norm_row(xp + r * ldx, wp, static_cast<float>(eps), static_cast<float>(offset), n, op + r * n);
-  });
-#else
-  LADLE_NEEDS_V16;
-#endif
-  return out;
+  LADLE_F32((rms_norm_rows<float, norm_row>(x, weight, eps, offset, at::kFloat)));
 }
 
 std::tuple<at::Tensor, at::Tensor> add_rms_norm_f32(const at::Tensor& x, const at::Tensor& residual,
                                                     const at::Tensor& weight, double eps,
                                                     double offset) {
-  check_residual(x, residual, at::kFloat);
-  const int64_t rows = x.size(0), n = x.size(1);
-  check_weight(weight, n, at::kFloat);
-  at::Tensor out = at::empty({rows, n}, x.options());
-  at::Tensor sum = at::empty({rows, n}, x.options());
-#if defined(LADLE_V16)
-  const float *xp = x.data_ptr<float>(), *rp = residual.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  float *op = out.data_ptr<float>(), *sp = sum.data_ptr<float>();
-  const int64_t ldx = x.stride(0), ldr = residual.stride(0);
-  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      add_row(xp + r * ldx, rp + r * ldr, n, sp + r * n);
-      norm_row(sp + r * n, wp, static_cast<float>(eps), static_cast<float>(offset), n, op + r * n);
-    }
-  });
-#else
-  LADLE_NEEDS_V16;
-#endif
-  return {out, sum};
+  LADLE_F32((add_rms_norm_rows<float, add_row, norm_row>(x, residual, weight, eps, offset,
+                                                         at::kFloat)));
 }
 
-#if defined(LADLE_V16)
-// act(x[:, :n]) * x[:, n:] for each row, `Op` the fused activation-and-multiply.
-template <V16 (*Op)(V16, V16)>
-at::Tensor gated_mul_f32(const at::Tensor& x) {
-  check_rows(x, at::kFloat, "x");
-  const int64_t rows = x.size(0), n = x.size(1) / 2;
-  TORCH_CHECK(x.size(1) % 2 == 0, "x must hold [gate | up]");
-  at::Tensor out = at::empty({rows, n}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t ldx = x.stride(0);
-  at::parallel_for(0, rows, grain_rows(2 * n), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float *gate = xp + r * ldx, *up = gate + n;
-      float* dst = op + r * n;
-      for (int64_t i = 0; i < n; i += 16)
-        store_part(dst + i, Op(load_part(gate + i, n - i), load_part(up + i, n - i)), n - i);
-    }
-  });
-  return out;
+at::Tensor silu_mul_f32(const at::Tensor& x) {
+  LADLE_F32((gated_mul_rows<float, gated_row<silu_mul>>(x, at::kFloat)));
 }
-at::Tensor silu_mul_f32(const at::Tensor& x) { return gated_mul_f32<silu_mul>(x); }
-at::Tensor gelu_tanh_mul_f32(const at::Tensor& x) { return gated_mul_f32<gelu_tanh_mul>(x); }
-#else
-at::Tensor silu_mul_f32(const at::Tensor& x) { LADLE_NEEDS_V16; }
-at::Tensor gelu_tanh_mul_f32(const at::Tensor& x) { LADLE_NEEDS_V16; }
-#endif
+
+at::Tensor gelu_tanh_mul_f32(const at::Tensor& x) {
+  LADLE_F32((gated_mul_rows<float, gated_row<gelu_tanh_mul>>(x, at::kFloat)));
+}
 
 void rotary_f32_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
                  const at::Tensor& sin, int64_t heads) {
-  const at::Tensor pc = check_rotary(x, positions, cos, sin, heads, at::kFloat);
-#if defined(LADLE_V16)
-  const int64_t T = x.size(0), D = x.size(2);
-  const int64_t* pp = pc.data_ptr<int64_t>();
-  float* xp = x.data_ptr<float>();
-  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-  const int64_t ldx = x.stride(0);
-  at::parallel_for(0, T, grain_rows(heads * D), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t)
-      for (int64_t h = 0; h < heads; ++h)
-        rotate_head(xp + t * ldx + h * D, cp + pp[t] * D, sp + pp[t] * D, D / 2);
-  });
-#else
-  LADLE_NEEDS_V16;
-#endif
+  LADLE_F32((rotary_rows<float, rotate_head>(x, positions, cos, sin, heads, at::kFloat)));
 }
 
 }  // namespace
