@@ -69,10 +69,12 @@ def test_family_ops_are_batch_invariant():
     assert_rows_invariant(ops.gelu_tanh_mul_bf16, _bf16(4096, seed=23), _bf16(256, 4096, seed=24))
 
 
-def test_blocks_choose_native_only_for_bf16():
+def test_blocks_choose_native_for_bf16_and_float32_only():
     act, norm = GeluTanhAndMul(), RMSNorm(64, offset=1.0)
-    norm.use_native(True)
-    assert not norm.native  # float32 weights stay eager (the exactness tests' path)
+    norm.to(torch.float16).use_native(True)
+    assert not norm.native  # no float16 kernels: eager
+    norm.to(torch.float32).use_native(True)
+    assert norm.native
     norm.to(torch.bfloat16).use_native(True)
     act.use_native(True)
     assert norm.native and act.native and not SiluAndMul.native
