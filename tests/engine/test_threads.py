@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.support.engines import cpu_only, make_engine
@@ -57,6 +58,27 @@ def test_measured_threads_are_chosen_per_kind_of_step_and_reported(
         assert set(choices) == {"prefill<=16", decode}  # the 4-token prompt's bucket
         assert all(threads in (1, 2) for threads in choices.values())
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_new_decode_bucket_starts_where_the_nearest_one_settled(
+    tiny_model_dirs: dict, engines: list[LLMEngine]
+) -> None:
+    before = torch.get_num_threads()
+    try:
+        engine = make_engine(tiny_model_dirs["llama"], num_threads=2)  # decode threads: measured
+        engines.append(engine)
+        executor = engine.executor
+        if executor.kernel_plan.threads_for(16) is not None:
+            pytest.skip("the kernel plan timed the decode threads: its count comes first")
+        chooser = executor.threads
+        assert chooser.pick("decode<=1") == executor.decode_threads == 1  # the default
+        for threads, seconds in [(1, 0.05)] * 3:
+            chooser.record("decode<=1", threads, seconds)
+        chooser._kinds["decode<=1"].choice = 2  # as a won probe leaves it
+        assert chooser.pick("decode<=16") == 2
+        assert chooser.pick("prefill<=16") == 2  # prefill: every thread
     finally:
         torch.set_num_threads(before)
 

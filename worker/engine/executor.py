@@ -167,10 +167,21 @@ class TorchExecutor:
         return output
 
     def _initial_threads(self, kind: str) -> int:
-        """A kind's first choice: the kernel plan's measured count for decode, all for prefill."""
+        """A kind's first choice: all threads for prefill; for decode the kernel plan's measured
+        count, else what the nearest batch bucket already chose (the load that decided it is
+        the same machine's), else the default."""
         if kind.startswith("prefill"):
             return self.num_threads
-        return self.decode_threads_for(int(kind.removeprefix("decode<=")))
+        rows = int(kind.removeprefix("decode<="))
+        if self.kernel_plan.threads_for(rows) is None:
+            seen = {
+                int(other.removeprefix("decode<=")): threads
+                for other, threads in self.threads.choices().items()
+                if other.startswith("decode<=")
+            }
+            if seen:
+                return seen[min(seen, key=lambda bucket: (abs(bucket - rows), -bucket))]
+        return self.decode_threads_for(rows)
 
     def _decode_thread_counts(self) -> set[int]:
         if self._measured_threads:  # the chooser may run a decode step on any of its options

@@ -8,17 +8,22 @@ OpenMP barrier waits for a thread that is not running (docs/benchmarks.md "Threa
 load"). A choice made once at start (the kernel plan's timing) is right for one of those
 and badly wrong for the other.
 
-So each kind of step (decode-only, by batch bucket; any step with prefill) keeps a moving
-average of its wall time per thread count, runs the faster count, and now and then runs one
-step on the other count to see whether the answer changed. A probe that confirms the
-choice doubles the wait before the next (up to `max_probe_s`); a probe that overturns it
-switches at once and resets the wait. The start-up plan only gives the first choice.
+So each kind of step (decode-only, by batch bucket; any step with prefill) keeps the wall times
+of its recent steps per thread count, runs the count whose median is smaller, and now and then
+runs a few steps on the other count (a probe) to see whether the answer changed. Medians, not
+averages: one step that met a garbage collection or the API's burst of work would otherwise
+move a kind to the slower count (seen in the service: a 2-thread average of 293 ms against
+steps of 43 ms). A probe that confirms the choice doubles the wait before the next (up to
+`max_probe_s`); a probe that overturns it switches at once and resets the wait. The start-up
+plan only gives the first choice.
 """
 
 from __future__ import annotations
 
 import logging
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -27,13 +32,18 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _Kind:
-    """One kind of step: its averages per thread count and when to probe next."""
+    """One kind of step: its recent step times per thread count and when to probe next."""
 
     choice: int
-    averages: dict[int, float] = field(default_factory=dict)
+    recent: dict[int, deque[float]] = field(default_factory=dict)
     probe_wait_s: float = 0.0
     next_probe_at: float = 0.0
     probing: int | None = None
+    probe_left: int = 0
+
+    def median(self, threads: int) -> float | None:
+        times = self.recent.get(threads)
+        return statistics.median(times) if times else None
 
 
 class ThreadChooser:
@@ -45,14 +55,16 @@ class ThreadChooser:
         initial: Callable[[str], int],
         min_probe_s: float = 2.0,
         max_probe_s: float = 60.0,
-        smoothing: float = 0.3,
+        window: int = 8,
+        probe_steps: int = 3,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.options = sorted(set(options))
         self._initial = initial
         self.min_probe_s = min_probe_s
         self.max_probe_s = max_probe_s
-        self.smoothing = smoothing
+        self.window = window  # step times kept per thread count
+        self.probe_steps = probe_steps  # steps per probe: its first may pay the team's wake-up
         self._clock = clock
         self._kinds: dict[str, _Kind] = {}
         self.num_switches = 0
@@ -67,9 +79,13 @@ class ThreadChooser:
                 probe_wait_s=self.min_probe_s,
                 next_probe_at=self._clock() + self.min_probe_s,
             )
-        if len(self.options) > 1 and state.choice in state.averages:
+        if state.probing is not None:
+            return state.probing
+        if len(self.options) > 1 and state.choice in state.recent:
             if self._clock() >= state.next_probe_at:
                 state.probing = next(t for t in self.options if t != state.choice)
+                state.probe_left = self.probe_steps
+                state.recent.pop(state.probing, None)  # the probe's own steps only
                 return state.probing
         return state.choice
 
@@ -77,29 +93,31 @@ class ThreadChooser:
         state = self._kinds.get(kind)
         if state is None:
             return
-        previous = state.averages.get(threads)
-        state.averages[threads] = (
-            seconds if previous is None else previous + self.smoothing * (seconds - previous)
-        )
+        state.recent.setdefault(threads, deque(maxlen=self.window)).append(seconds)
         if state.probing != threads:
             return
+        state.probe_left -= 1
+        if state.probe_left > 0:
+            return
         state.probing = None
-        if state.averages[threads] < state.averages[state.choice]:
+        probe, current = state.median(threads), state.median(state.choice)
+        assert probe is not None
+        if current is None or probe < current:
             logger.info(
                 "%s steps: %d threads now (%.1f ms) rather than %d (%.1f ms)",
                 kind,
                 threads,
-                1000 * state.averages[threads],
+                1000 * probe,
                 state.choice,
-                1000 * state.averages[state.choice],
+                1000 * (current or 0.0),
             )
             state.choice = threads
             state.probe_wait_s = self.min_probe_s
             self.num_switches += 1
         else:
             state.probe_wait_s = min(2 * state.probe_wait_s, self.max_probe_s)
-            # the probe's one step says little alone: forget it unless it keeps winning
-            state.averages.pop(threads)
+            # a lost probe's steps say nothing about the next one: each probe starts afresh
+            state.recent.pop(threads)
         state.next_probe_at = self._clock() + state.probe_wait_s
 
     def choices(self) -> dict[str, int]:
