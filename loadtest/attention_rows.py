@@ -2,11 +2,14 @@
 rows (the batch-invariant way) and decode rows of many sequences.
 
     .venv/bin/python -m loadtest.attention_rows [--prefill 256 1024 2048] [--threads 1 2]
+        [--decode 1 16 64] [--context 256] [--keys plain packed]
 
 Shapes are SmolLM2-135M's (9 query heads, 3 KV heads, head_dim 64, blocks of 16); bf16. A
 prefill of L tokens is L rows over one block table with context lengths 1..L, against SDPA's
 causal attention over the same keys (flash attention on CPU); decode is B rows of B sequences
-of ~256 cached tokens. Best of 5 runs each, with the largest difference from SDPA's output.
+of ~`context` cached tokens. `--keys`: the key cache plain, or packed as the engine's row
+attention keeps it (`native.pack_keys`). Best of 5 runs each, with the largest difference
+from SDPA's output.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ def best_ms(fn: Callable[[], object], runs: int = 5) -> float:
     return best * 1e3
 
 
-def prefill(length: int) -> tuple[float, float, float]:
+def prefill(length: int, packed: bool) -> tuple[float, float, float]:
     """(rows ms, SDPA ms, max |difference|) for one prompt of `length` tokens."""
     num_blocks = -(-length // BLOCK)
     k_cache = torch.randn(KV_HEADS, num_blocks + 4, BLOCK, HEAD_DIM).bfloat16()
@@ -47,8 +50,10 @@ def prefill(length: int) -> tuple[float, float, float]:
     k = k_cache[:, order].reshape(KV_HEADS, -1, HEAD_DIM)[None, :, :length]
     v = v_cache[:, order].reshape(KV_HEADS, -1, HEAD_DIM)[None, :, :length]
 
+    keys = native.pack_keys(k_cache) if packed else k_cache
+
     def rows() -> torch.Tensor:
-        return native.attention_rows(q, k_cache, v_cache, tables, lens, scale)
+        return native.attention_rows(q, keys, v_cache, tables, lens, scale, packed_keys=packed)
 
     def sdpa() -> torch.Tensor:
         qq = q.transpose(0, 1)[None]
@@ -60,14 +65,18 @@ def prefill(length: int) -> tuple[float, float, float]:
     return best_ms(rows), best_ms(sdpa), error
 
 
-def decode(batch: int, context: int = 256) -> float:
+def decode(batch: int, packed: bool, context: int = 256) -> float:
     num_blocks = -(-context // BLOCK)
     k_cache = torch.randn(KV_HEADS, batch * num_blocks, BLOCK, HEAD_DIM).bfloat16()
     v_cache = torch.randn_like(k_cache)
     tables = torch.randperm(batch * num_blocks).view(batch, num_blocks)
     lens = context - torch.arange(batch)
     q = torch.randn(batch, HEADS, HEAD_DIM).bfloat16()
-    return best_ms(lambda: native.attention_rows(q, k_cache, v_cache, tables, lens, 0.125), 20)
+    keys = native.pack_keys(k_cache) if packed else k_cache
+    return best_ms(
+        lambda: native.attention_rows(q, keys, v_cache, tables, lens, 0.125, packed_keys=packed),
+        20,
+    )
 
 
 def main() -> None:
@@ -75,23 +84,29 @@ def main() -> None:
     p.add_argument("--prefill", type=int, nargs="+", default=[256, 1024, 2048])
     p.add_argument("--decode", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--threads", type=int, nargs="+", default=[1, os.cpu_count() or 1])
+    p.add_argument("--context", type=int, default=256, help="cached tokens per decode row")
+    p.add_argument("--keys", nargs="+", choices=["plain", "packed"], default=["plain", "packed"])
     args = p.parse_args()
     if not native.load(None):
         raise SystemExit(f"native kernels unavailable: {native.status()}")
     torch.manual_seed(0)
     print(f"load average {os.getloadavg()[0]:.1f}")
-    print("| threads | case | rows ms | SDPA ms | rows / SDPA | max abs diff |")
-    print("|---:|---|---:|---:|---:|---:|")
+    print("| threads | keys | case | rows ms | SDPA ms | rows / SDPA | max abs diff |")
+    print("|---:|---|---|---:|---:|---:|---:|")
     for threads in args.threads:
         torch.set_num_threads(threads)
-        for length in args.prefill:
-            rows, sdpa, error = prefill(length)
-            print(
-                f"| {threads} | prefill {length} | {rows:.2f} | {sdpa:.2f} "
-                f"| {rows / sdpa:.2f} | {error:.3g} |"
-            )
-        for batch in args.decode:
-            print(f"| {threads} | decode B={batch}, 256 cached | {decode(batch):.3f} | | | |")
+        for keys in args.keys:
+            packed = keys == "packed"
+            for length in args.prefill:
+                rows, sdpa, error = prefill(length, packed)
+                print(
+                    f"| {threads} | {keys} | prefill {length} | {rows:.2f} | {sdpa:.2f} "
+                    f"| {rows / sdpa:.2f} | {error:.3g} |"
+                )
+            for batch in args.decode:
+                ms = decode(batch, packed, args.context)
+                case = f"decode B={batch}, {args.context} cached"
+                print(f"| {threads} | {keys} | {case} | {ms:.3f} | | | |")
 
 
 if __name__ == "__main__":

@@ -118,14 +118,19 @@ def test_grouped_int8_matmul_is_batch_invariant():
     assert_rows_invariant(kernel, _rand(576, seed=15), _rand(256, 576, seed=16))
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_attention_row_is_batch_invariant(dtype):
+def test_attention_row_is_batch_invariant(dtype, packed):
     """A query row over its own block table gives the same bits alone, among 15 other rows of
-    other lengths, or among the other rows of its own prefill."""
+    other lengths, or among the other rows of its own prefill (keys plain or packed)."""
     if dtype == torch.bfloat16:
         require_native(bf16=True)
     heads, kv_heads, head_dim, block_size, num_blocks = 9, 3, 64, 16, 48
     k_cache = _rand(kv_heads, num_blocks, block_size, head_dim, seed=13, dtype=dtype)
+    if packed:
+        from worker.layers import native
+
+        k_cache = native.pack_keys(k_cache)
     v_cache = _rand(kv_heads, num_blocks, block_size, head_dim, seed=14, dtype=dtype)
     rng = random.Random(15)
     table = rng.sample(range(num_blocks), 20)
@@ -143,7 +148,13 @@ def test_attention_row_is_batch_invariant(dtype):
         q = _rand(len(lens), heads, head_dim, seed=num_others, dtype=dtype)
         q[at] = probe
         out = torch.ops.ladle_native.paged_attention_rows(
-            q, k_cache, v_cache, torch.tensor(tables), torch.tensor(lens), head_dim**-0.5
+            q,
+            k_cache,
+            v_cache,
+            torch.tensor(tables),
+            torch.tensor(lens),
+            head_dim**-0.5,
+            packed_keys=packed,
         )
         return out[at]
 

@@ -298,13 +298,28 @@ def _tolerance(dtype: torch.dtype) -> dict:
     return dict(rtol=2**-7, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
 
 
+# the row kernel's two key layouts: plain, and packed (what the engine's row attention uses)
+PACKED = [pytest.param(False, id="plain"), pytest.param(True, id="packed")]
+
+
+def _keys(k_cache: torch.Tensor, packed: bool) -> torch.Tensor:
+    return native.pack_keys(k_cache) if packed else k_cache
+
+
+@pytest.mark.parametrize("packed", PACKED)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
-def test_paged_decode_matches_eager_attention(heads, kv_heads, head_dim, dtype):
+def test_paged_decode_matches_eager_attention(heads, kv_heads, head_dim, dtype, packed):
     q, k_cache, v_cache, meta = _decode_case(7, heads, kv_heads, head_dim, head_dim, dtype)
     scale = head_dim**-0.5
-    got = torch.ops.ladle_native.paged_attention_rows(
-        q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
+    got = native.attention_rows(
+        q,
+        _keys(k_cache, packed),
+        v_cache,
+        meta.decode_block_tables,
+        meta.decode_context_lens,
+        scale,
+        packed_keys=packed,
     )
     # float32 reference over exactly each row's positions
     for row, length in enumerate(meta.decode_context_lens.tolist()):
@@ -322,19 +337,22 @@ def test_paged_decode_matches_eager_attention(heads, kv_heads, head_dim, dtype):
     torch.testing.assert_close(got.float(), eager.float(), rtol=0.05, atol=0.05)
 
 
+@pytest.mark.parametrize("packed", PACKED)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("window", [1, 5, 16, 37])
-def test_paged_decode_with_a_window_matches_eager_attention(window, dtype):
+def test_paged_decode_with_a_window_matches_eager_attention(window, dtype, packed):
     q, k_cache, v_cache, meta = _decode_case(7, 8, 2, 64, window, dtype)
     options = AttentionOptions(0.125, window=window)
+    keys = _keys(k_cache, packed)
     got = native.attention_rows(
         q,
-        k_cache,
+        keys,
         v_cache,
         meta.decode_block_tables,
         meta.decode_context_lens,
         options.scale,
         meta.decode_starts(window),
+        packed_keys=packed,
     )
     eager = _decode_eager(q, k_cache, v_cache, meta, options)
     torch.testing.assert_close(got.float(), eager.float(), rtol=0.05, atol=0.05)
@@ -344,32 +362,36 @@ def test_paged_decode_with_a_window_matches_eager_attention(window, dtype):
     table = meta.decode_block_tables[row : row + 1]
     alone = native.attention_rows(
         q[row : row + 1],
-        k_cache,
+        keys,
         v_cache,
         table,
         torch.tensor([length]),
         0.125,
         torch.tensor([start]),
+        packed_keys=packed,
     )
     assert torch.equal(alone[0], got[row])
 
 
+@pytest.mark.parametrize("packed", PACKED)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("softcap,window", [(50.0, None), (5.0, None), (5.0, 9)])
-def test_paged_decode_with_a_softcap_matches_float32(softcap, window, dtype):
+def test_paged_decode_with_a_softcap_matches_float32(softcap, window, dtype, packed):
     kv_heads, heads, head_dim, scale = 2, 8, 64, 0.125
     q, k_cache, v_cache, meta = _decode_case(7, heads, kv_heads, head_dim, int(softcap), dtype)
     q = q * 4  # scores of several units, where tanh's cap bends them
     starts = meta.decode_starts(window)
+    keys = _keys(k_cache, packed)
     got = native.attention_rows(
         q,
-        k_cache,
+        keys,
         v_cache,
         meta.decode_block_tables,
         meta.decode_context_lens,
         scale,
         starts,
         softcap,
+        packed,
     )
     for row, length in enumerate(meta.decode_context_lens.tolist()):
         table = meta.decode_block_tables[row]
@@ -384,7 +406,14 @@ def test_paged_decode_with_a_softcap_matches_float32(softcap, window, dtype):
             got[row].float(), expected.reshape(heads, head_dim), **_tolerance(dtype)
         )
     uncapped = native.attention_rows(
-        q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale, starts
+        q,
+        keys,
+        v_cache,
+        meta.decode_block_tables,
+        meta.decode_context_lens,
+        scale,
+        starts,
+        packed_keys=packed,
     )
     assert not torch.equal(uncapped, got)
 
@@ -429,6 +458,14 @@ def test_write_kv_equals_index_copy(dtype):
         torch.ops.ladle_native.write_kv(k, v, k_cache, v_cache, slots + 150)
     with pytest.raises(RuntimeError, match="dtype"):
         torch.ops.ladle_native.write_kv(k.double(), v.double(), k_cache, v_cache, slots)
+    # packed keys: the same keys, in the row kernel's layout; values as they were
+    packed_k, packed_v = native.pack_keys(_rand(dtype, 3, 10, 16, 64, seed=4)), v_cache.clone()
+    torch.ops.ladle_native.write_kv(k, v, packed_k, packed_v, slots, True)
+    assert torch.equal(packed_k, native.pack_keys(expected_k))
+    assert torch.equal(packed_v, expected_v)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        odd = _rand(dtype, 3, 10, 8, 64)
+        torch.ops.ladle_native.write_kv(k, v, odd, odd.clone(), slots, True)
 
 
 # the sum of squares (and exp) run in another order than eager's: bf16 results at most one

@@ -15,6 +15,7 @@ from worker.engine.core.request import Request
 from worker.engine.cuda_graphs import CudaGraphBackend, DecodeGraphs, GraphCaptureError
 from worker.engine.kv_cache import KVCache, allocate_kv_cache, bind_kv_cache, window_layers
 from worker.layers.attention import PagedAttention
+from worker.layers.changes import note_change
 from worker.layers.context import set_attention_metadata
 from worker.models.loader import LoadedModel
 
@@ -89,6 +90,13 @@ class ModelRunner:
         # and heads are served by the native row kernel. Inductor would re-fuse the norms'
         # sums by shape, so an invariant forward is never compiled.
         self.row_attention = row_attention and _rows_supported(self.model)
+        if self.row_attention and block_size % 16 == 0:
+            # every token of every step is a row on the native kernel, the only reader of
+            # its packed keys (a score per 16 keys without lane sums: attention.cpp)
+            for layer in self.model.modules():
+                if isinstance(layer, PagedAttention):
+                    layer.packed_keys = True
+            note_change()
         if self.native_forward or self.row_attention:
             compile_mode = "off"
         # CPU: the forward as an inductor program (None: eager); warmed up here, off the

@@ -44,6 +44,8 @@ class PagedAttention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         self.native_rows = False  # rows on the native kernel: chosen at `bind`
+        # keys packed for the row kernel (every row of every step on it: the runner's choice)
+        self.packed_keys = False
         self.local_pool = False  # a sliding-window layer with a KV pool of its own
         # This layer's handle for the custom op, as a graph input (see `Linear`); set by bind.
         self.register_buffer("layer_id", None, persistent=False)
@@ -68,7 +70,12 @@ class PagedAttention(nn.Module):
 
     def options(self) -> AttentionOptions:
         return AttentionOptions(
-            self.scale, self.native_rows, self.sliding_window, self.softcap, self.local_pool
+            self.scale,
+            self.native_rows,
+            self.sliding_window,
+            self.softcap,
+            self.local_pool,
+            self.packed_keys,
         )
 
 
@@ -81,6 +88,7 @@ class AttentionOptions:
     window: int | None = None
     softcap: float | None = None
     local_pool: bool = False
+    packed_keys: bool = False  # the row kernel's layout: no other path reads such a cache
 
 
 def paged_attention(
@@ -106,13 +114,17 @@ def paged_attention(
     k_slots = k_cache.view(num_kv_heads, -1, head_dim)
     v_slots = v_cache.view(num_kv_heads, -1, head_dim)
     if options.native_rows:
-        torch.ops.ladle_native.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        torch.ops.ladle_native.write_kv(
+            k, v, k_cache, v_cache, meta.slot_mapping, options.packed_keys
+        )
     else:
         k_slots.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
         v_slots.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
     num_decode = meta.num_decode_tokens
     if num_decode == q.shape[0]:  # a decode-only step: no output buffer, no copy
         return _decode(q, k_cache, v_cache, meta, options)
+    if options.packed_keys:
+        raise RuntimeError("packed keys are read by the row kernel alone: every token a row")
     out = q.new_empty(q.shape)
     if num_decode:
         out[:num_decode] = _decode(q[:num_decode], k_cache, v_cache, meta, options)
@@ -177,7 +189,10 @@ def _decode(
             options.scale,
             meta.decode_starts(options.window),
             options.softcap,
+            options.packed_keys,
         )
+    if options.packed_keys:
+        raise RuntimeError("packed keys are read by the row kernel alone")
     if meta.decode_mask is None:
         raise RuntimeError("rows without a mask need the native attention kernel")
     return _decode_eager(q, k_cache, v_cache, meta, options)

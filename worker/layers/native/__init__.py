@@ -287,12 +287,25 @@ def attention_rows(
     scale: float,
     starts: torch.Tensor | None = None,
     softcap: float | None = None,
+    packed_keys: bool = False,
 ) -> torch.Tensor:
     """`ladle_native.paged_attention_rows`: each row over positions [start, context_len)
-    of its block table (start 0 without `starts`), scores soft-capped where `softcap`."""
+    of its block table (start 0 without `starts`), scores soft-capped where `softcap`;
+    `packed_keys`: k_cache holds its keys packed (see `pack_keys`)."""
     return torch.ops.ladle_native.paged_attention_rows(
-        q, k_cache, v_cache, tables, context_lens, scale, starts, softcap or 0.0
+        q, k_cache, v_cache, tables, context_lens, scale, starts, softcap or 0.0, packed_keys
     )
+
+
+def pack_keys(k_cache: torch.Tensor) -> torch.Tensor:
+    """A plain key cache [Hkv, blocks, block_size, D] laid out as the row kernel's packed keys
+    (attention.cpp): per run of 16 positions, feature steps outer (pairs in bf16, single
+    features in float32) and the 16 positions inner. Same shape; for tests and benchmarks,
+    the engine writes packed keys directly (`write_kv(..., packed_keys=True)`)."""
+    hkv, blocks, bs, d = k_cache.shape
+    step = 2 if k_cache.dtype == torch.bfloat16 else 1
+    runs = k_cache.reshape(hkv, blocks, bs // 16, 16, d // step, step)
+    return runs.permute(0, 1, 2, 4, 3, 5).contiguous().view(hkv, blocks, bs, d)
 
 
 def amx_usable(out_features: int, in_features: int) -> bool:

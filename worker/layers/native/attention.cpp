@@ -15,9 +15,20 @@
 // sums side by side in registers). A thread keeps the positions' offsets of the last table it
 // walked, so the rows of one prefill (one table) cost no address arithmetic per position.
 // Reduction order, per row: a score is one chain over the head's 16-feature chunks in order,
-// then its 16 lanes summed by `sum_lanes` (vec16.h: the same tree for every key); the softmax total
+// then its 16 lanes summed by `sum_lanes` (vec16.h: the same tree for every key); with packed
+// keys (below) two chains instead, over the even and the odd feature steps in order, then
+// even + odd, computed for 16 keys at once with no lane sums; the softmax total
 // sums position p into lane (p - start) % 16, then the lanes in `v_reduce_add`'s
 // tree; the value sum is one FMA chain over positions in order.
+//
+// Packed keys (`packed_keys`, what the engine's row attention writes and reads): within each
+// block every run of 16 positions keeps its keys as the matmul weights are packed, feature
+// steps outer and the 16 positions inner: bf16 [D/2][16][2] (a step: a feature pair), float32
+// [D][16]. One 64-byte line then holds one feature step of 16 keys, and a head's scores for
+// them are D/2 (D) `vdpbf16ps` (FMAs) on a broadcast of the query's step: no lane sums, the
+// line shared by every query head of the KV head. Values keep the plain layout. A cache is
+// all packed or all plain (a flag of the caller's, not of the tensor); blocks of a multiple
+// of 16 positions.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -54,6 +65,13 @@ struct Bf16 {
   }
   static __m512 load16(const T* v) { return bf16_to_f32(v); }
   static void store16(T* dst, __m512 v) { store_bf16(dst, v); }
+  // packed keys: a line is one feature pair of 16 keys; q's pair broadcast to every lane
+  static constexpr int kStep = 2;
+  using Line = __m512i;
+  static Line load_line(const T* line) { return _mm512_loadu_si512(line); }
+  static __m512 line_dot(__m512 acc, Line keys, const T* q) {
+    return _mm512_dpbf16_ps(acc, as_bh(keys), as_bh(pair_of(q)));
+  }
 };
 #endif  // __AVX512BF16__
 
@@ -65,6 +83,10 @@ struct F32 {
   static V16 dot_step(V16 acc, const T* k, Q q) { return v_fmadd(v_load(k), q, acc); }
   static V16 load16(const T* v) { return v_load(v); }
   static void store16(T* dst, V16 v) { v_store(dst, v); }
+  static constexpr int kStep = 1;
+  using Line = V16;
+  static Line load_line(const T* line) { return v_load(line); }
+  static V16 line_dot(V16 acc, Line keys, const T* q) { return v_fmadd(keys, v_set1(*q), acc); }
 };
 
 struct Cache {
@@ -151,6 +173,76 @@ void score(const typename E::T* q, int64_t q_head_stride, int G, const typename 
   }
 }
 
+// Packed keys: scores[n][i] and maxes[n] for N query heads (q, q + q_head_stride, ...) over
+// positions first + i < end, 16 keys (one aligned run of a block) at a time. Keys of the run
+// outside [first, end) are computed and dropped.
+template <class E, int D, int N>
+void score_packed_heads(const typename E::T* q, int64_t q_head_stride,
+                        const typename E::T* keys_base, const int64_t* offs, int64_t first,
+                        int64_t end, float scale, float cap, float* scores, int64_t len,
+                        float* maxes) {
+  constexpr int kSteps = D / E::kStep;
+  constexpr int64_t kLine = kKeys * E::kStep;  // elements per line
+  constexpr int64_t kRunLines = kSteps * kLine * sizeof(typename E::T) / 64;
+  constexpr int64_t kPrefetchLines = kRunLines < 4 ? kRunLines : 4;
+  for (int n = 0; n < N; ++n) maxes[n] = -INFINITY;
+  alignas(64) float lanes[kKeys];
+  for (int64_t run = first - first % kKeys; run < end; run += kKeys) {
+    const typename E::T* keys = keys_base + offs[run];
+    // the next run's first lines while this one computes (a run lies anywhere in the cache);
+    // the rest streams on its own: prefetching every line measured no faster
+    if (run + kKeys < end)
+      for (int64_t l = 0; l < kPrefetchLines; ++l)
+        _mm_prefetch(reinterpret_cast<const char*>(keys_base + offs[run + kKeys]) + 64 * l,
+                     _MM_HINT_T0);
+    V16 even[N], odd[N];
+    for (int n = 0; n < N; ++n) even[n] = odd[n] = v_zero();
+    static_assert(kSteps % 2 == 0, "an even number of feature steps");
+    for (int i = 0; i < kSteps; i += 2) {
+      const typename E::Line a = E::load_line(keys + i * kLine);
+      const typename E::Line b = E::load_line(keys + (i + 1) * kLine);
+      for (int n = 0; n < N; ++n) {
+        const typename E::T* qn = q + n * q_head_stride + i * E::kStep;
+        even[n] = E::line_dot(even[n], a, qn);
+        odd[n] = E::line_dot(odd[n], b, qn + E::kStep);
+      }
+    }
+    const int64_t lo = first > run ? first - run : 0;
+    const int64_t hi = end - run < kKeys ? end - run : kKeys;
+    for (int n = 0; n < N; ++n) {
+      V16 sc = v_mul(v_add(even[n], odd[n]), v_set1(scale));
+      if (cap > 0.0f) sc = softcap_ps(sc, cap);
+      float* row = scores + n * len;
+      if (lo == 0) {  // every run but a window's first: lanes [0, hi) are positions
+        v_store_first(row + (run - first), sc, hi);
+        maxes[n] = std::fmax(maxes[n], v_max_first(sc, hi));
+      } else {
+        v_store(lanes, sc);
+        for (int64_t j = lo; j < hi; ++j) {
+          row[run + j - first] = lanes[j];
+          maxes[n] = std::fmax(maxes[n], lanes[j]);
+        }
+      }
+    }
+  }
+}
+
+// Heads per pass over the packed keys: two sums each in registers.
+constexpr int kPackedHeads = 8;
+
+template <class E, int D, int N = 1>
+void score_packed(int n, const typename E::T* q, int64_t q_head_stride,
+                  const typename E::T* keys_base, const int64_t* offs, int64_t first,
+                  int64_t end, float scale, float cap, float* scores, int64_t len, float* maxes) {
+  if constexpr (N < kPackedHeads) {
+    if (n > N)
+      return score_packed<E, D, N + 1>(n, q, q_head_stride, keys_base, offs, first, end, scale,
+                                       cap, scores, len, maxes);
+  }
+  score_packed_heads<E, D, N>(q, q_head_stride, keys_base, offs, first, end, scale, cap, scores,
+                              len, maxes);
+}
+
 // Each head's row of scores becomes exp(score - max), in place; returns 1 / their total.
 inline float exponentiate(float* row, int64_t len, float max) {
   const V16 mx = v_set1(max);
@@ -217,7 +309,7 @@ struct Row {
 };
 
 // One (row, KV head): G query heads of D features over cached positions [first, end).
-template <class E, int D>
+template <class E, int D, bool Packed>
 void attend(const typename E::T* q, int64_t q_head_stride, int G, const Cache& c, const Row& row,
             float scale, float cap, typename E::T* out, int64_t out_head_stride,
             std::vector<float>& scores) {
@@ -227,8 +319,16 @@ void attend(const typename E::T* q, int64_t q_head_stride, int G, const Cache& c
   const auto* keys = static_cast<const typename E::T*>(c.k);
   const auto* values = static_cast<const typename E::T*>(c.v);
   prefetch_rows<E, D>(values, row.offs, row.first, row.end);  // read after the scores
-  score<E, D>(q, q_head_stride, G, keys, row.offs, row.first, row.end, scale, cap,
-              scores.data(), maxes);
+  if constexpr (Packed) {
+    for (int g = 0; g < G; g += kPackedHeads) {
+      const int n = G - g < kPackedHeads ? G - g : kPackedHeads;
+      score_packed<E, D>(n, q + g * q_head_stride, q_head_stride, keys, row.offs, row.first,
+                         row.end, scale, cap, scores.data() + g * len, len, maxes + g);
+    }
+  } else {
+    score<E, D>(q, q_head_stride, G, keys, row.offs, row.first, row.end, scale, cap,
+                scores.data(), maxes);
+  }
   for (int g = 0; g < G; ++g) inv[g] = exponentiate(scores.data() + g * len, len, maxes[g]);
   for (int g = 0; g < G; g += kHeadsPerPass<D>) {
     const int n = G - g < kHeadsPerPass<D> ? G - g : kHeadsPerPass<D>;
@@ -241,15 +341,15 @@ template <class E>
 using AttendFn = void (*)(const typename E::T*, int64_t, int, const Cache&, const Row&, float,
                           float, typename E::T*, int64_t, std::vector<float>&);
 
-template <class E>
+template <class E, bool Packed>
 AttendFn<E> attend_for(int64_t head_dim) {
   switch (head_dim) {
-    case 32: return attend<E, 32>;
-    case 64: return attend<E, 64>;
-    case 96: return attend<E, 96>;
-    case 128: return attend<E, 128>;
-    case 192: return attend<E, 192>;
-    case 256: return attend<E, 256>;
+    case 32: return attend<E, 32, Packed>;
+    case 64: return attend<E, 64, Packed>;
+    case 96: return attend<E, 96, Packed>;
+    case 128: return attend<E, 128, Packed>;
+    case 192: return attend<E, 192, Packed>;
+    case 256: return attend<E, 256, Packed>;
     default: return nullptr;
   }
 }
@@ -261,10 +361,10 @@ inline int64_t balanced_row(int64_t t, int64_t rows) { return t % 2 ? rows - 1 -
 template <class E>
 void attend_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                  const at::Tensor& tables, const int64_t* starts, const int64_t* lens,
-                 double scale, double cap, at::Tensor& out) {
+                 double scale, double cap, bool packed, at::Tensor& out) {
   const int64_t R = q.size(0), H = q.size(1), D = q.size(2), q_row = q.stride(0);
   const int64_t Hkv = k_cache.size(0), bs = k_cache.size(2);
-  const AttendFn<E> fn = attend_for<E>(D);
+  const AttendFn<E> fn = packed ? attend_for<E, true>(D) : attend_for<E, false>(D);
   TORCH_CHECK(fn != nullptr, "head_dim ", D, " not supported (32, 64, 96, 128, 192, 256)");
   const int64_t max_blocks = tables.size(1);
   const auto* qp = static_cast<const typename E::T*>(q.data_ptr());
@@ -304,9 +404,12 @@ void check_cache(const at::Tensor& cache, const char* name) {
 at::Tensor paged_attention_rows(const at::Tensor& q, const at::Tensor& k_cache,
                                 const at::Tensor& v_cache, const at::Tensor& tables,
                                 const at::Tensor& context_lens, double scale,
-                                const std::optional<at::Tensor>& starts, double softcap) {
+                                const std::optional<at::Tensor>& starts, double softcap,
+                                bool packed_keys) {
   check_cache(k_cache, "k_cache");
   check_cache(v_cache, "v_cache");
+  TORCH_CHECK(!packed_keys || k_cache.size(2) % 16 == 0,
+              "packed keys need blocks of a multiple of 16 positions");
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == k_cache.scalar_type(),
               "q must be [rows, heads, dim] of the cache's dtype");
   TORCH_CHECK(tables.dim() == 2 && tables.scalar_type() == at::kLong, "tables must be int64 2-D");
@@ -345,28 +448,39 @@ at::Tensor paged_attention_rows(const at::Tensor& q, const at::Tensor& k_cache,
   at::Tensor out = at::empty({R, H, D}, q.options());
 #if defined(__AVX512BF16__)
   if (q.scalar_type() == at::kBFloat16)
-    attend_rows<Bf16>(qc, k_cache, v_cache, tc, first, lens, scale, softcap, out);
+    attend_rows<Bf16>(qc, k_cache, v_cache, tc, first, lens, scale, softcap, packed_keys, out);
   else
-    attend_rows<F32>(qc, k_cache, v_cache, tc, first, lens, scale, softcap, out);
+    attend_rows<F32>(qc, k_cache, v_cache, tc, first, lens, scale, softcap, packed_keys, out);
 #elif defined(LADLE_V16)
   TORCH_CHECK(q.scalar_type() == at::kFloat,
               "ladle_native.paged_attention_rows: bf16 needs AVX512-BF16 (float32 only here)");
-  attend_rows<F32>(qc, k_cache, v_cache, tc, first, lens, scale, softcap, out);
+  attend_rows<F32>(qc, k_cache, v_cache, tc, first, lens, scale, softcap, packed_keys, out);
 #else
   TORCH_CHECK(false, "ladle_native.paged_attention_rows: built without AVX512-BF16 or AVX2");
 #endif
   return out;
 }
 
-// k, v [T, Hkv, D] into slot slots[t] of every head's cache.
+// Key row `src` (D elements of `size` bytes) into its lane of a packed run (see the header).
+inline void write_packed_key(const char* src, char* run, int64_t lane, int64_t D, int64_t size) {
+  if (size == 2) {  // bf16: 32-bit feature pairs, 16 lanes to a line
+    for (int64_t i = 0; i < D / 2; ++i) std::memcpy(run + (i * 16 + lane) * 4, src + i * 4, 4);
+  } else {
+    for (int64_t d = 0; d < D; ++d) std::memcpy(run + (d * 16 + lane) * 4, src + d * 4, 4);
+  }
+}
+
+// k, v [T, Hkv, D] into slot slots[t] of every head's cache (keys packed: see the header).
 void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
-              const at::Tensor& slots) {
+              const at::Tensor& slots, bool packed_keys) {
   check_cache(k_cache, "k_cache");
   check_cache(v_cache, "v_cache");
   const at::ScalarType dtype = k_cache.scalar_type();
   TORCH_CHECK(v_cache.scalar_type() == dtype, "k_cache and v_cache differ in dtype");
   const int64_t T = k.size(0), Hkv = k_cache.size(0), D = k_cache.size(3);
   const int64_t num_slots = k_cache.size(1) * k_cache.size(2);
+  TORCH_CHECK(!packed_keys || (k_cache.size(2) % 16 == 0 && D % 2 == 0),
+              "packed keys need blocks of a multiple of 16 positions");
   TORCH_CHECK(k.dim() == 3 && k.size(1) == Hkv && k.size(2) == D && v.sizes() == k.sizes() &&
                   k.scalar_type() == dtype && v.scalar_type() == dtype,
               "k and v must be [tokens, kv_heads, head_dim] of the cache's shape and dtype");
@@ -391,7 +505,13 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
     for (int64_t t = begin; t < end; ++t)
       for (int64_t h = 0; h < Hkv; ++h) {
         const int64_t at_slot = (h * num_slots + sp[t]) * D * size;
-        std::memcpy(kd + at_slot, ks + t * k_row + h * D * size, row);
+        if (packed_keys) {  // runs of 16 slots start at multiples of 16 (blocks are)
+          const int64_t lane = sp[t] % 16;
+          write_packed_key(ks + t * k_row + h * D * size, kd + at_slot - lane * D * size, lane, D,
+                           size);
+        } else {
+          std::memcpy(kd + at_slot, ks + t * k_row + h * D * size, row);
+        }
         std::memcpy(vd + at_slot, vs + t * v_row + h * D * size, row);
       }
   });
@@ -402,8 +522,11 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
 TORCH_LIBRARY_FRAGMENT(ladle_native, m) {
   m.def(
       "paged_attention_rows(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, "
-      "Tensor context_lens, float scale, Tensor? starts=None, float softcap=0.0) -> Tensor");
-  m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()");
+      "Tensor context_lens, float scale, Tensor? starts=None, float softcap=0.0, "
+      "bool packed_keys=False) -> Tensor");
+  m.def(
+      "write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
+      "bool packed_keys=False) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(ladle_native, CPU, m) {

@@ -43,7 +43,8 @@ struct Stack {
   at::Tensor cos, sin;
   int64_t num_heads = 0, num_kv_heads = 0, head_dim = 0;
   double eps = 0.0, scale = 0.0;
-  bool f32 = false;  // float32 caches, weights and activations
+  bool f32 = false;          // float32 caches, weights and activations
+  bool packed_keys = false;  // the caches' keys packed (attention.cpp's header)
 };
 
 std::mutex registry_mutex;
@@ -64,10 +65,10 @@ using AddNorm = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::
 using Unary = at::Tensor(const at::Tensor&);
 using Rotary = void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t);
 using WriteKv = void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&,
-                     const at::Tensor&);
+                     const at::Tensor&, bool);
 using Attention = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                              const at::Tensor&, const at::Tensor&, double,
-                             const std::optional<at::Tensor>&, double);
+                             const std::optional<at::Tensor>&, double, bool);
 
 // The small ops of one activation dtype.
 struct Glue {
@@ -127,10 +128,11 @@ constexpr size_t kIntsPerLayer = 8;      // linears 4 x (kind, out_features)
 
 // tensors: per layer input_norm, post_norm, qkv, qkv_bias, o, o_bias, gate_up, gate_up_bias,
 // down, down_bias, k_cache, v_cache (an empty bias: none), then cos and sin; ints: per layer
-// (kind, out_features) of qkv, o, gate_up, down. Returns the stack's handle.
+// (kind, out_features) of qkv, o, gate_up, down; `packed_keys`: the caches' keys are packed.
+// Returns the stack's handle.
 int64_t stack_create(const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& ints,
                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
-                     double scale) {
+                     double scale, bool packed_keys) {
   TORCH_CHECK(tensors.size() >= 2 && (tensors.size() - 2) % kTensorsPerLayer == 0,
               "stack_create: tensors must be 12 per layer, then cos and sin");
   const size_t num_layers = (tensors.size() - 2) / kTensorsPerLayer;
@@ -163,6 +165,7 @@ int64_t stack_create(const std::vector<at::Tensor>& tensors, const std::vector<i
   stack->head_dim = head_dim;
   stack->eps = eps;
   stack->scale = scale;
+  stack->packed_keys = packed_keys;
   std::lock_guard<std::mutex> lock(registry_mutex);
   registry.push_back(std::move(stack));
   return static_cast<int64_t>(registry.size() - 1);
@@ -199,9 +202,9 @@ std::tuple<at::Tensor, at::Tensor> layer_forward(const Stack& s, const Layer& l,
   const at::Tensor k = heads.slice(1, s.num_heads, num_qk);
   const at::Tensor v = heads.slice(1, num_qk);
   at::Tensor k_cache = l.k_cache, v_cache = l.v_cache;
-  o.write_kv.call(k, v, k_cache, v_cache, slots);
-  const at::Tensor attended =
-      o.attention.call(q, l.k_cache, l.v_cache, tables, lens, s.scale, std::nullopt, 0.0);
+  o.write_kv.call(k, v, k_cache, v_cache, slots, s.packed_keys);
+  const at::Tensor attended = o.attention.call(q, l.k_cache, l.v_cache, tables, lens, s.scale,
+                                               std::nullopt, 0.0, s.packed_keys);
   const at::Tensor projected = linear(l.o, attended.view({tokens, -1}));
   auto [y, stream2] = g.add_rms_norm.call(projected, stream, l.post_norm, s.eps, 0.0);
   const at::Tensor out = linear(l.down, g.silu_mul.call(linear(l.gate_up, y)));
@@ -225,7 +228,7 @@ std::tuple<at::Tensor, at::Tensor> stack_forward(int64_t handle, const at::Tenso
 TORCH_LIBRARY_FRAGMENT(ladle_native, m) {
   m.def(
       "stack_create(Tensor[] tensors, int[] ints, int num_heads, int num_kv_heads, "
-      "int head_dim, float eps, float scale) -> int",
+      "int head_dim, float eps, float scale, bool packed_keys=False) -> int",
       &stack_create);
   m.def("stack_free(int handle) -> ()", &stack_free);
   m.def(
