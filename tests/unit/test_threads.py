@@ -77,10 +77,19 @@ def test_a_probe_is_judged_on_the_median_of_its_steps() -> None:
     while chooser.pick("decode<=16") == 1:
         clock.now += 0.050
         chooser.record("decode<=16", 1, 0.050)
-    for seconds in (0.200, 0.030, 0.030):  # the first probe step wakes the other thread
+    for seconds in (0.070, 0.030, 0.030):  # the first probe step wakes the other thread
         clock.now += seconds
         chooser.record("decode<=16", 2, seconds)
     assert chooser.choices() == {"decode<=16": 2}
+
+
+def test_steps_of_seconds_are_probed_one_step_at_a_time() -> None:
+    clock = Clock()
+    chooser = ThreadChooser([1, 2], lambda kind: 2, clock=clock, probe_budget_s=0.2)
+    used = run(chooser, clock, "prefill<=1024", {1: 2.4, 2: 1.2}, 100)  # 2 minutes of chunks
+    assert chooser.choices() == {"prefill<=1024": 2}
+    assert 1 <= used.count(1) <= 6  # probes 2, 4, 8, ... s apart, one step each
+    assert all(a != 1 or b != 1 for a, b in zip(used, used[1:], strict=False))
 
 
 def test_a_single_option_never_probes() -> None:

@@ -57,6 +57,7 @@ class ThreadChooser:
         max_probe_s: float = 60.0,
         window: int = 8,
         probe_steps: int = 3,
+        probe_budget_s: float = 0.2,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.options = sorted(set(options))
@@ -65,6 +66,9 @@ class ThreadChooser:
         self.max_probe_s = max_probe_s
         self.window = window  # step times kept per thread count
         self.probe_steps = probe_steps  # steps per probe: its first may pay the team's wake-up
+        # a probe of steps longer than this (a long prompt's chunks) is one step: where a
+        # step takes a second, three on the slower count would cost seconds
+        self.probe_budget_s = probe_budget_s
         self._clock = clock
         self._kinds: dict[str, _Kind] = {}
         self.num_switches = 0
@@ -74,17 +78,20 @@ class ThreadChooser:
         state = self._kinds.get(kind)
         if state is None:
             first = self._initial(kind)
+            now = self._clock()
             state = self._kinds[kind] = _Kind(
                 choice=first if first in self.options else self.options[-1],
                 probe_wait_s=self.min_probe_s,
-                next_probe_at=self._clock() + self.min_probe_s,
+                next_probe_at=now + self.min_probe_s,
             )
         if state.probing is not None:
             return state.probing
-        if len(self.options) > 1 and state.choice in state.recent:
-            if self._clock() >= state.next_probe_at:
+        step = state.median(state.choice)
+        if len(self.options) > 1 and step is not None:
+            now = self._clock()
+            if now >= state.next_probe_at:
                 state.probing = next(t for t in self.options if t != state.choice)
-                state.probe_left = self.probe_steps
+                state.probe_left = max(1, min(self.probe_steps, int(self.probe_budget_s / step)))
                 state.recent.pop(state.probing, None)  # the probe's own steps only
                 return state.probing
         return state.choice
