@@ -8,6 +8,7 @@ AMX cases also need a CPU with AMX.
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
@@ -381,18 +382,18 @@ def test_paged_decode_with_a_softcap_matches_float32(softcap, window, dtype, pac
     q, k_cache, v_cache, meta = _decode_case(7, heads, kv_heads, head_dim, int(softcap), dtype)
     q = q * 4  # scores of several units, where tanh's cap bends them
     starts = meta.decode_starts(window)
-    keys = _keys(k_cache, packed)
-    got = native.attention_rows(
+    attend = functools.partial(
+        native.attention_rows,
         q,
-        keys,
+        _keys(k_cache, packed),
         v_cache,
         meta.decode_block_tables,
         meta.decode_context_lens,
         scale,
         starts,
-        softcap,
-        packed,
+        packed_keys=packed,
     )
+    got = attend(softcap=softcap)
     for row, length in enumerate(meta.decode_context_lens.tolist()):
         table = meta.decode_block_tables[row]
         first = int(starts[row]) if starts is not None else 0
@@ -405,17 +406,7 @@ def test_paged_decode_with_a_softcap_matches_float32(softcap, window, dtype, pac
         torch.testing.assert_close(
             got[row].float(), expected.reshape(heads, head_dim), **_tolerance(dtype)
         )
-    uncapped = native.attention_rows(
-        q,
-        keys,
-        v_cache,
-        meta.decode_block_tables,
-        meta.decode_context_lens,
-        scale,
-        starts,
-        packed_keys=packed,
-    )
-    assert not torch.equal(uncapped, got)
+    assert not torch.equal(attend(), got)
 
 
 def test_paged_decode_refuses_a_table_too_short():

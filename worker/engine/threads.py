@@ -78,18 +78,16 @@ class ThreadChooser:
         state = self._kinds.get(kind)
         if state is None:
             first = self._initial(kind)
-            now = self._clock()
             state = self._kinds[kind] = _Kind(
                 choice=first if first in self.options else self.options[-1],
                 probe_wait_s=self.min_probe_s,
-                next_probe_at=now + self.min_probe_s,
+                next_probe_at=self._clock() + self.min_probe_s,
             )
         if state.probing is not None:
             return state.probing
         step = state.median(state.choice)
         if len(self.options) > 1 and step is not None:
-            now = self._clock()
-            if now >= state.next_probe_at:
+            if self._clock() >= state.next_probe_at:
                 state.probing = next(t for t in self.options if t != state.choice)
                 state.probe_left = max(1, min(self.probe_steps, int(self.probe_budget_s / step)))
                 state.recent.pop(state.probing, None)  # the probe's own steps only
