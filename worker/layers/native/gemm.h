@@ -50,20 +50,50 @@ void parallel_items(int64_t n, int64_t chunk, const F& f) {
 }
 
 // One row of x against `blocks` weight blocks, dealt to the threads in sets of `Set` (that
-// many weight streams in flight: one row is memory-bound): `set(b0)` computes blocks b0 to
-// b0 + Set - 1, `one(b)` a single block of the last, short set.
+// many weight streams in flight: one row is memory-bound): `set(b0, next)` computes blocks b0
+// to b0 + Set - 1, where `next` is the first block of the full set this thread takes after it
+// (-1: none), so that its weights can be prefetched while this one computes; `one(b)` a
+// single block of the last, short set.
 template <int64_t Set, class SetFn, class OneFn>
 void row_sets(int64_t blocks, const SetFn& set, const OneFn& one) {
-  parallel_items((blocks + Set - 1) / Set, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t s = begin; s < end; ++s) {
+  parallel_chunks((blocks + Set - 1) / Set, 1, [&](const auto& take) {
+    int64_t s, end;
+    for (bool more = take(s, end); more;) {
+      int64_t following;
+      more = take(following, end);
       const int64_t b0 = s * Set;
       if (blocks - b0 >= Set) {
-        set(b0);
+        set(b0, more && blocks - following * Set >= Set ? following * Set : -1);
       } else {
         for (int64_t b = b0; b < blocks; ++b) one(b);
       }
+      s = following;
     }
   });
+}
+
+// How far ahead of one row's weight streams `prefetch_groups` fetches: 3 KB a stream (4
+// streams: 12 KB in flight) took the 30 layers' int4 projections from 21.5 to 37-39 GB/s
+// on 2 threads (`loadtest.int4_stream`, docs/benchmarks.md); 1.5-6 KB measured the same.
+constexpr int64_t kAheadBytes = 3072;
+
+// Group `g + ahead` (kAheadBytes on) of NB weight streams (`block_bytes` apart from `first`)
+// into L1, or past their end the same group of the next set's streams (`next`, or nothing
+// where null): a set's streams are a few KB each, too short for the hardware prefetcher to
+// reach full speed on its own.
+template <int NB>
+inline void prefetch_groups(const uint8_t* first, const uint8_t* next, int64_t g, int64_t groups,
+                            int64_t block_bytes, int64_t group_bytes) {
+  int64_t at = g + (kAheadBytes + group_bytes - 1) / group_bytes;
+  if (at >= groups) {
+    if (next == nullptr) return;
+    first = next;
+    at -= groups;
+  }
+  for (int n = 0; n < NB; ++n) {
+    const char* line = reinterpret_cast<const char*>(first + n * block_bytes + at * group_bytes);
+    for (int64_t b = 0; b < group_bytes; b += 64) _mm_prefetch(line + b, _MM_HINT_T0);
+  }
 }
 
 // M rows of x against `blocks` weight blocks, four blocks a chunk; each block's rows in

@@ -83,11 +83,12 @@ inline __m512 group_out(__m512 out, const uint8_t* group, __m512 first, __m512 s
 // One row of x against NB blocks at once (NB streams in flight: one row is memory-bound).
 template <int NB>
 void row_blocks(const uint16_t* x, const float* xsum, const uint8_t* first_block, int64_t groups,
-                const float* bias, uint16_t* y) {
+                const float* bias, uint16_t* y, const uint8_t* next_set = nullptr) {
   const int64_t block_bytes = groups * kGroupBytes;
   __m512 out[NB];
   for (int n = 0; n < NB; ++n) out[n] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
+    prefetch_groups<NB>(first_block, next_set, g, groups, block_bytes, kGroupBytes);
     __m512 acc[NB][2];
     for (int n = 0; n < NB; ++n) acc[n][0] = acc[n][1] = _mm512_setzero_ps();
     const uint16_t* xg = x + g * kGroup;
@@ -141,9 +142,9 @@ void gemv_int4(const uint16_t* x, const uint8_t* packed, const float* bias, uint
   const auto bias_at = [&](int64_t b) { return bias ? bias + b * kRows : nullptr; };
   row_sets<kSet>(
       N / kRows,
-      [&](int64_t b0) {
+      [&](int64_t b0, int64_t next) {
         row_blocks<kSet>(x, xsum.data(), packed + b0 * block_bytes, groups, bias_at(b0),
-                         y + b0 * kRows);
+                         y + b0 * kRows, next < 0 ? nullptr : packed + next * block_bytes);
       },
       [&](int64_t b) {
         row_blocks<1>(x, xsum.data(), packed + b * block_bytes, groups, bias_at(b),
@@ -211,12 +212,14 @@ struct Int4Q8 {
   // NB = 1, each chunk's nibbles shared by all of them).
   template <int M, int NB>
   static void run(const Q8Rows& xq, int64_t m0, const uint8_t* first_block, int64_t groups,
-                  const float* bias, float* y, int64_t ldy) {
+                  const float* bias, float* y, int64_t ldy, const uint8_t* next_set = nullptr) {
     const int64_t block_bytes = groups * kGroupBytes;
     V16 out[M][NB];
     for (int m = 0; m < M; ++m)
       for (int n = 0; n < NB; ++n) out[m][n] = v_zero();
     for (int64_t g = 0; g < groups; ++g) {
+      if (M == 1)
+        prefetch_groups<NB>(first_block, next_set, g, groups, block_bytes, kGroupBytes);
       __m256i p_lo[M][NB], p_hi[M][NB];
       for (int m = 0; m < M; ++m)
         for (int n = 0; n < NB; ++n) p_lo[m][n] = p_hi[m][n] = _mm256_setzero_si256();

@@ -97,11 +97,12 @@ inline __m512 group_out(__m512 out, const uint8_t* group, __m512i sum, float dx,
 
 template <int NB>
 void row_blocks(const int8_t* q, const float* d, const int32_t* off, const uint8_t* first_block,
-                int64_t groups, const float* bias, uint16_t* y) {
+                int64_t groups, const float* bias, uint16_t* y, const uint8_t* next_set = nullptr) {
   const int64_t block_bytes = groups * kGroupBytes;
   __m512 out[NB];
   for (int n = 0; n < NB; ++n) out[n] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
+    prefetch_groups<NB>(first_block, next_set, g, groups, block_bytes, kGroupBytes);
     __m512i acc[NB];
     for (int n = 0; n < NB; ++n) acc[n] = _mm512_setzero_si512();
     for (int c = 0; c < 8; ++c) {
@@ -150,9 +151,10 @@ void run_int8(const uint16_t* xp, const uint8_t* packed, const float* bias, uint
     const auto bias_at = [&](int64_t b) { return bias ? bias + b * kRows : nullptr; };
     row_sets<kSet>(
         N / kRows,
-        [&](int64_t b0) {
+        [&](int64_t b0, int64_t next) {
           row_blocks<kSet>(x.q.data(), x.d.data(), x.off.data(), packed + b0 * block_bytes,
-                           groups, bias_at(b0), y + b0 * kRows);
+                           groups, bias_at(b0), y + b0 * kRows,
+                           next < 0 ? nullptr : packed + next * block_bytes);
         },
         [&](int64_t b) {
           row_blocks<1>(x.q.data(), x.d.data(), x.off.data(), packed + b * block_bytes, groups,
@@ -191,12 +193,14 @@ inline __m256i quad_dot(__m256i stored, __m256i quad) {
 struct Int8Q8 {
   template <int M, int NB>
   static void run(const Q8Rows& xq, int64_t m0, const uint8_t* first_block, int64_t groups,
-                  const float* bias, float* y, int64_t ldy) {
+                  const float* bias, float* y, int64_t ldy, const uint8_t* next_set = nullptr) {
     const int64_t block_bytes = groups * kGroupBytes;
     V16 out[M][NB];
     for (int m = 0; m < M; ++m)
       for (int n = 0; n < NB; ++n) out[m][n] = v_zero();
     for (int64_t g = 0; g < groups; ++g) {
+      if (M == 1)
+        prefetch_groups<NB>(first_block, next_set, g, groups, block_bytes, kGroupBytes);
       __m256i lo[M][NB], hi[M][NB];  // rows 0-7 and 8-15
       for (int m = 0; m < M; ++m)
         for (int n = 0; n < NB; ++n) lo[m][n] = hi[m][n] = _mm256_setzero_si256();

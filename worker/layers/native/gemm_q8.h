@@ -83,9 +83,10 @@ void q8_gemm(const float* x, const uint8_t* packed, const float* bias, float* y,
     constexpr int64_t kSet = 4;
     row_sets<kSet>(
         N / kRows,
-        [&](int64_t b0) {
+        [&](int64_t b0, int64_t next) {
           Kernel::template run<1, kSet>(xq, 0, packed + b0 * block_bytes, groups, bias_at(b0),
-                                        y + b0 * kRows, N);
+                                        y + b0 * kRows, N,
+                                        next < 0 ? nullptr : packed + next * block_bytes);
         },
         [&](int64_t b) {
           Kernel::template run<1, 1>(xq, 0, packed + b * block_bytes, groups, bias_at(b),
