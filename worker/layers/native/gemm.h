@@ -72,9 +72,8 @@ void row_sets(int64_t blocks, const SetFn& set, const OneFn& one) {
   });
 }
 
-// How far ahead of one row's weight streams `prefetch_groups` fetches: 3 KB a stream (4
-// streams: 12 KB in flight) took the 30 layers' int4 projections from 21.5 to 37-39 GB/s
-// on 2 threads (`loadtest.int4_stream`, docs/benchmarks.md); 1.5-6 KB measured the same.
+// How far ahead of one row's weight streams `prefetch_groups` fetches, per stream: the gain
+// was flat from 1.5 to 6 KB (`loadtest.int4_stream`; figures in docs/benchmarks.md).
 constexpr int64_t kAheadBytes = 3072;
 
 // Group `g + ahead` (kAheadBytes on) of NB weight streams (`block_bytes` apart from `first`)
