@@ -369,7 +369,7 @@ def running_service(
             os.environ,
             LLM_KEY_PREFIX=f"bench-{uuid.uuid4().hex[:8]}",
             LLM_WORKER_METRICS_PORT="0",
-            LLM_LOG_LEVEL="WARNING",
+            LLM_LOG_LEVEL=os.environ.get("LLM_LOG_LEVEL", "WARNING"),  # INFO shows thread choices
         )
         env.update(extra_env or {})
         argv = [

@@ -41,12 +41,12 @@ def test_decode_only_steps_use_the_decode_threads(
         torch.set_num_threads(before)
 
 
-def test_decode_threads_default_to_half(tiny_model_dirs: dict, engines: list[LLMEngine]) -> None:
+def test_decode_threads_default_to_all(tiny_model_dirs: dict, engines: list[LLMEngine]) -> None:
     before = torch.get_num_threads()
     try:
         engine = make_engine(tiny_model_dirs["llama"], num_threads=2)
         engines.append(engine)
-        assert engine.executor.decode_threads == 1
+        assert engine.executor.decode_threads == 2
     finally:
         torch.set_num_threads(before)
 
@@ -74,11 +74,11 @@ def test_a_new_decode_bucket_starts_where_the_nearest_one_settled(
     if executor.kernel_plan.threads_for(16) is not None:
         pytest.skip("the kernel plan timed the decode threads: its count comes first")
     chooser = executor.threads
-    assert chooser.pick("decode<=1") == executor.decode_threads == 1  # the default
-    for threads, seconds in [(1, 0.05)] * 3:
+    assert chooser.pick("decode<=1") == executor.decode_threads == 2  # the default
+    for threads, seconds in [(2, 0.05)] * 3:
         chooser.record("decode<=1", threads, seconds)
-    chooser._kinds["decode<=1"].choice = 2  # as a won probe leaves it
-    assert chooser.pick("decode<=16") == 2
+    chooser._kinds["decode<=1"].choice = 1  # as a won probe leaves it
+    assert chooser.pick("decode<=16") == 1
     assert chooser.pick("prefill<=16") == 2  # prefill: every thread
 
 

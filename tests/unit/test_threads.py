@@ -96,3 +96,52 @@ def test_a_single_option_never_probes() -> None:
     clock = Clock()
     chooser = ThreadChooser([1], lambda kind: 2, clock=clock)  # the plan's 2 is not allowed
     assert set(run(chooser, clock, "decode<=1", {1: 0.03}, 500)) == {1}
+
+
+def test_a_wrong_first_count_is_probed_within_a_few_steps() -> None:
+    clock = Clock()
+    chooser = ThreadChooser([1, 2], lambda kind: 1, clock=clock, first_probe_after=4)
+    used = run(chooser, clock, "decode<=16", {1: 0.038, 2: 0.026}, 20)
+    assert used[:4] == [1, 1, 1, 1]  # then the probe, long before min_probe_s has passed
+    assert clock.now < chooser.min_probe_s
+    assert chooser.choices() == {"decode<=16": 2} and used[-6:] == [2] * 6
+
+
+def waves(chooser: ThreadChooser, clock: Clock, kind: str, ratio: float, steps: int):
+    """Batches that fill and drain: 8 dear steps, 8 cheap ones; 1 thread costs `ratio` x 2."""
+    used = []
+    for i in range(steps):
+        threads = chooser.pick(kind)
+        used.append(threads)
+        seconds = (0.030 if (i // 8) % 2 == 0 else 0.018) * (ratio if threads == 1 else 1.0)
+        clock.now += seconds
+        chooser.record(kind, threads, seconds)
+    return used
+
+
+def test_a_probe_is_weighed_against_the_steps_between_its_own() -> None:
+    # A probe that falls on cheap steps after dear ones would look faster against the
+    # choice's older steps; against the steps paired with its own it does not.
+    for first_probe_after in range(4, 20):
+        clock = Clock()
+        chooser = ThreadChooser(
+            [1, 2], lambda kind: 2, clock=clock, first_probe_after=first_probe_after
+        )
+        waves(chooser, clock, "decode<=16", 1.15, 2000)
+        assert chooser.num_switches == 0, first_probe_after
+
+
+def test_a_near_tie_does_not_switch() -> None:
+    clock = Clock()
+    chooser = ThreadChooser([1, 2], lambda kind: 2, clock=clock, margin=0.05)
+    run(chooser, clock, "decode<=1", {1: 0.0099, 2: 0.0100}, 2000)
+    assert chooser.num_switches == 0
+
+
+def test_long_steps_are_probed_for_a_small_share_of_their_time() -> None:
+    clock = Clock()
+    chooser = ThreadChooser([1, 2], lambda kind: 2, clock=clock, probe_share=0.05)
+    used = run(chooser, clock, "prefill<=1024", {1: 1.2, 2: 0.66}, 200)
+    probe_time = used.count(1) * 1.2
+    assert 1 <= used.count(1) and probe_time <= 0.05 * clock.now + 1.2  # the first probe
+    assert chooser.choices() == {"prefill<=1024": 2}

@@ -101,10 +101,9 @@ class TorchExecutor:
         # is faster changes with the machine's load. Unless LLM_DECODE_THREADS fixes the
         # decode count, every kind of step (decode by batch bucket, prefill) picks 1 or all
         # threads from its own recent step times (`worker/engine/threads.py`), starting from
-        # the kernel plan's measured choice.
-        self.decode_threads = min(
-            config.decode_threads or max(1, self.num_threads // 2), self.num_threads
-        )
+        # the kernel plan's measured choice, else all threads (faster on idle cores at 1 and
+        # 16 sequences, docs/benchmarks.md; the first probe corrects it within a few steps).
+        self.decode_threads = min(config.decode_threads or self.num_threads, self.num_threads)
         self._measured_threads = config.decode_threads is None
         self.threads = ThreadChooser(
             sorted({1, self.num_threads}) if self._measured_threads else [self.decode_threads],
