@@ -37,7 +37,7 @@ from pathlib import Path
 
 from loadtest.bandwidth_bound import stream_bandwidth
 from loadtest.bench_serve import bench_http, default_hf_dir, levels_from, running_service
-from loadtest.llama_server import ensure_llama_server, running_llama_server
+from loadtest.llama_server import llama_server_for_this_cpu
 from loadtest.workload import LevelResult, Workload
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -97,8 +97,7 @@ def started(server: str, args, gguf: Path, hf_dir: Path, max_level: int) -> Iter
         with vs_vllm.running_vllm(vllm_args, hf_dir) as url:
             yield url
     else:
-        binary = ensure_llama_server()
-        with running_llama_server(binary, gguf, args.threads, max_level, context) as url:
+        with llama_server_for_this_cpu(gguf, args.threads, max_level, context) as url:
             yield url
 
 

@@ -5,11 +5,15 @@ tools/server); `ensure_llama_server` downloads that sdist with pip, and builds o
 `llama-server` target with cmake (GGML_NATIVE, no curl) under `.cache/llama.cpp-<version>`
 (git-ignored): ~15 minutes on 2 idle cores, once. `running_llama_server` starts it on a spare
 127.0.0.1 port with parallel slots and its continuous batching, and yields the /v1 base URL.
+`llama_server_for_this_cpu` does both, and where the native build dies of SIGILL before it is
+ready (seen on a Xeon VM that lists amx_* flags), builds once more without AMX into
+`build-noamx` and serves that one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import signal
 import subprocess
 import sys
 import tarfile
@@ -32,10 +36,17 @@ CMAKE_FLAGS = [
     "-DLLAMA_BUILD_SERVER=ON",
     "-DBUILD_SHARED_LIBS=OFF",
 ]
+# Explicit -mno-* flags win over what -march=native implies, whatever their order in GCC.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+NO_AMX_FLAGS = [f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"]
 
 
 class LlamaServerUnavailable(RuntimeError):
     """llama-server could not be built or started; the message says why."""
+
+
+class IllegalInstruction(LlamaServerUnavailable):
+    """The binary died of SIGILL before it was ready: built for an ISA this VM does not run."""
 
 
 def _run(argv: list[str], timeout_s: float, cwd: Path | None = None) -> None:
@@ -61,16 +72,21 @@ def source_dir(cache: Path, version: str) -> Path:
     return src
 
 
-def ensure_llama_server(cache: Path | None = None, version: str = SDIST_VERSION) -> Path:
-    """The `llama-server` binary, built for this CPU unless already built."""
+def ensure_llama_server(
+    cache: Path | None = None, version: str = SDIST_VERSION, without_amx: bool = False
+) -> Path:
+    """The `llama-server` binary, built for this CPU (less AMX if asked) unless already built."""
     cache = cache or ROOT / ".cache" / f"llama.cpp-{version}"
-    binary = cache / "build" / "bin" / "llama-server"
+    build = cache / ("build-noamx" if without_amx else "build")
+    binary = build / "bin" / "llama-server"
     if binary.exists():
         return binary
     src = source_dir(cache, version)
-    print("building llama-server from source (about 15 minutes, once)...", flush=True)
-    _run(["cmake", "-S", str(src), "-B", str(cache / "build"), *CMAKE_FLAGS], 600)
-    _run(["cmake", "--build", str(cache / "build"), "--target", "llama-server", "-j2"], 7200)
+    flags = CMAKE_FLAGS + (NO_AMX_FLAGS if without_amx else [])
+    kind = " without AMX" if without_amx else ""
+    print(f"building llama-server{kind} from source (about 15 minutes, once)...", flush=True)
+    _run(["cmake", "-S", str(src), "-B", str(build), *flags], 600)
+    _run(["cmake", "--build", str(build), "--target", "llama-server", "-j2"], 7200)
     return binary
 
 
@@ -90,10 +106,31 @@ def running_llama_server(
     with log_path.open("w") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        wait_ready(f"http://127.0.0.1:{port}/health", proc, ready_s, log_path)
+        try:
+            wait_ready(f"http://127.0.0.1:{port}/health", proc, ready_s, log_path)
+        except RuntimeError as exc:
+            if proc.returncode == -signal.SIGILL:
+                raise IllegalInstruction(f"{binary}: {exc}") from exc
+            raise
         yield f"http://127.0.0.1:{port}/v1"
     finally:
         stop_process(proc)
+
+
+@contextlib.contextmanager
+def llama_server_for_this_cpu(
+    gguf: Path, threads: int, slots: int, slot_context: int, cache: Path | None = None
+) -> Iterator[str]:
+    """The native build served; where it dies of SIGILL, the build without AMX instead."""
+    with contextlib.ExitStack() as stack:
+        args = (gguf, threads, slots, slot_context)
+        try:
+            url = stack.enter_context(running_llama_server(ensure_llama_server(cache), *args))
+        except IllegalInstruction as exc:
+            print(f"{exc}\nfalling back to a build without AMX", file=sys.stderr, flush=True)
+            binary = ensure_llama_server(cache, without_amx=True)
+            url = stack.enter_context(running_llama_server(binary, *args))
+        yield url
 
 
 def main() -> int:
