@@ -374,7 +374,11 @@ void attend_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   auto* op = static_cast<typename E::T*>(out.data_ptr());
   const int G = static_cast<int>(H / Hkv);
   const int64_t head_cache = k_cache.size(1) * bs * D;
-  parallel_chunks(R * Hkv, Hkv, [&](const auto& take) {  // a row's heads together
+  // A row's heads go together (they share its positions' offsets), except where there are
+  // fewer rows than threads (one sequence's decode): then each (row, KV head) goes alone, so
+  // every thread attends. Which thread takes a task never changes its result.
+  const int64_t chunk = R >= at::get_num_threads() ? Hkv : 1;
+  parallel_chunks(R * Hkv, chunk, [&](const auto& take) {
     std::vector<float> scores;
     Positions positions;
     for (int64_t begin, end; take(begin, end);)
