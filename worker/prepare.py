@@ -34,6 +34,7 @@ def prepare_native() -> None:
         logger.warning("no C++ compiler: the native kernels are not built")
         return
     logger.info("native kernels: %s (%.1f s)", path, time.perf_counter() - started)
+    native.load()  # measures the prefetch level once, beside the build (`choose_prefetch_level`)
 
 
 def prepare_model(ref: str) -> None:

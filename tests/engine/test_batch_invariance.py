@@ -81,7 +81,7 @@ def test_quantized_matmul_is_batch_invariant(mode):
 
     weight = torch.randn(960, 576, generator=torch.Generator().manual_seed(9))
     if mode == "int4":
-        require_native(bf16=True)  # its float32 twin: test_int4_on_float32_is_batch_invariant
+        require_native(bf16=True)  # its float32 twin: test_int4_layouts_are_batch_invariant
         kernel = Int4Kernel(quantize_int4(weight), _rand(960, seed=10))
         assert kernel.name == "int4-native"
     else:
@@ -90,13 +90,28 @@ def test_quantized_matmul_is_batch_invariant(mode):
     assert_rows_invariant(kernel, _rand(576, seed=11), _rand(256, 576, seed=12))
 
 
-def test_int4_on_float32_is_batch_invariant():
-    """`gemm_int4_f32` (AVX2; float32 x quantized per group of 32): exact integer sums."""
+def _int4_packed(layout: str, seed: int) -> torch.Tensor:
+    """A random 960 x 576 int4 weight packed with float16 scales and mins (our own int4, a
+    GGUF's Q4_0/Q4_1) or float32 ones (a Q4_K's d * sc, nudged off float16 here)."""
     from worker.layers import native
     from worker.layers.quant import quantize_int4
 
-    weight = quantize_int4(torch.randn(960, 576, generator=torch.Generator().manual_seed(17)))
-    packed = native.pack_int4(weight.values, weight.scales, weight.mins)
+    weight = quantize_int4(torch.randn(960, 576, generator=torch.Generator().manual_seed(seed)))
+    scales = weight.scales
+    if layout == "float32":
+        scales = torch.nextafter(scales, torch.full_like(scales, float("inf")))
+    packed = native.pack_int4(weight.values, scales, weight.mins)
+    assert packed.shape[2] == (320 if layout == "float16" else 384)
+    return packed
+
+
+@pytest.mark.parametrize("layout", ["float16", "float32"])
+def test_int4_layouts_are_batch_invariant(layout):
+    """Both packed layouts of `gemm_int4` (bf16 x) and `gemm_int4_f32` (AVX2; float32 x
+    quantized per group of 32: exact integer sums)."""
+    from worker.layers import native
+
+    packed = _int4_packed(layout, seed=17)
     bias = _rand(960, seed=18, dtype=torch.float32)
 
     def kernel(x: torch.Tensor) -> torch.Tensor:
@@ -104,6 +119,12 @@ def test_int4_on_float32_is_batch_invariant():
 
     probe, filler = (_rand(256, 576, seed=s, dtype=torch.float32) for s in (19, 20))
     assert_rows_invariant(kernel, probe[0], filler)
+    if native.bf16():
+
+        def bf16_kernel(x: torch.Tensor) -> torch.Tensor:
+            return torch.ops.ladle_native.gemm_int4(x, packed, 960, None)
+
+        assert_rows_invariant(bf16_kernel, _rand(576, seed=21), _rand(256, 576, seed=22))
 
 
 def test_grouped_int8_matmul_is_batch_invariant():

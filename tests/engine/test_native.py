@@ -116,6 +116,88 @@ def test_int4_matches_the_dequantized_weight(out_features, in_features):
         torch.testing.assert_close(kernel(x).float(), expected, rtol=2**-7, atol=atol)
 
 
+def _not_half(t: torch.Tensor) -> torch.Tensor:
+    """`t` nudged by one float32 ulp: no longer a float16 (a Q4_K group's d * sc often is not)."""
+    return torch.nextafter(t, torch.full_like(t, float("inf")))
+
+
+def test_int4_packs_float16_scales_only_where_exact():
+    from worker.layers.quant import quantize_int4
+
+    weight = quantize_int4(torch.randn(64, 96))
+    half = native.pack_int4(weight.values, weight.scales, weight.mins)
+    assert half.shape == (4, 3, 320)  # our own int4 keeps its scales and mins in float16
+    full = native.pack_int4(weight.values, _not_half(weight.scales), weight.mins)
+    assert full.shape == (4, 3, 384)
+    assert native.pack_int4(weight.values, weight.scales, _not_half(weight.mins)).shape[2] == 384
+    huge = native.pack_int4(weight.values, weight.scales * 1e6, weight.mins)
+    assert huge.shape[2] == 384  # past float16's range
+
+
+@pytest.mark.parametrize("out_features,in_features", [(64, 32), (960, 576), (208, 1536)])
+def test_int4_layouts_give_the_same_bits(out_features, in_features):
+    """float16 or float32 scales and mins in the packed weight: the same float32 values in
+    the kernel, so the same outputs to the bit, on bf16 and on float32 activations."""
+    from worker.layers.quant import quantize_int4
+
+    if not native.loaded():
+        pytest.skip("native kernels unavailable")
+    weight = quantize_int4(torch.randn(out_features, in_features))
+    half = native.pack_int4(weight.values, weight.scales, weight.mins)
+    full = torch.empty(0)
+    import worker.layers.native as native_module
+
+    original = native_module.is_half_exact
+    native_module.is_half_exact = lambda t: False  # the float32 layout of the same values
+    try:
+        full = native.pack_int4(weight.values, weight.scales, weight.mins)
+    finally:
+        native_module.is_half_exact = original
+    assert half.shape[2] == 320 and full.shape[2] == 384
+    for rows in (1, 2, 7, 8, 9, 17):
+        x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
+        if native.bf16():
+            xb = x.to(torch.bfloat16)
+            got = torch.ops.ladle_native.gemm_int4(xb, half, out_features, None)
+            assert torch.equal(got, torch.ops.ladle_native.gemm_int4(xb, full, out_features, None))
+        got = torch.ops.ladle_native.gemm_int4_f32(x, half, out_features, None)
+        assert torch.equal(got, torch.ops.ladle_native.gemm_int4_f32(x, full, out_features, None))
+
+
+def test_prefetch_level_is_measured_once_and_changes_no_bits(tmp_path, monkeypatch):
+    """The level is measured on first load and kept beside the library; either level gives
+    the same outputs (a prefetch only changes when weights arrive)."""
+    from worker.layers.quant import quantize_int4
+
+    if not native.loaded():
+        pytest.skip("native kernels unavailable")
+    ops = torch.ops.ladle_native
+    monkeypatch.setattr(native, "_probe_bytes", lambda: 8 << 20)
+    library = tmp_path / "ladle_native-test.so"
+    level = native.choose_prefetch_level(library)
+    record = tmp_path / "ladle_native-test.prefetch.json"
+    assert level in (0, 1) and record.exists()
+    record.write_text('{"level": 0}')  # a kept record is used as it is, not measured again
+    monkeypatch.setattr(native, "measure_prefetch_levels", lambda: pytest.fail("measured"))
+    assert native.choose_prefetch_level(library) == 0
+    with pytest.raises(RuntimeError, match="prefetch level"):
+        ops.set_prefetch_level(2)
+    weight = quantize_int4(torch.randn(960, 576))
+    packed = native.pack_int4(weight.values, weight.scales, weight.mins)
+    x = torch.randn(1, 576)
+    outputs, before = [], native._state.get("prefetch_level", 1)
+    try:
+        for level in (0, 1):
+            ops.set_prefetch_level(level)
+            outputs.append(ops.gemm_int4_f32(x, packed, 960, None))
+            if native.bf16():
+                outputs.append(ops.gemm_int4(x.to(torch.bfloat16), packed, 960, None))
+    finally:
+        ops.set_prefetch_level(before)
+    half = len(outputs) // 2
+    assert all(torch.equal(a, b) for a, b in zip(outputs[:half], outputs[half:], strict=True))
+
+
 def _require_int8() -> None:
     if not native.int8_packable(16, 32):
         pytest.skip("the int8 kernel needs AVX512-VNNI")

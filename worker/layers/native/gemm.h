@@ -76,6 +76,12 @@ void row_sets(int64_t blocks, const SetFn& set, const OneFn& one) {
 // was flat from 1.5 to 6 KB (`loadtest.int4_stream`; figures in docs/benchmarks.md).
 constexpr int64_t kAheadBytes = 3072;
 
+// Which cache `prefetch_groups` fetches into: 0 L1 (prefetcht0), 1 L2 (prefetcht1). Which
+// streams faster from memory is a property of the CPU (on a Zen 4, L2 read a decode step's
+// int4 weights 1.3-1.6x faster: L1's miss buffers run out), so `native.load` measures both
+// once per machine and sets it (`set_prefetch_level`).
+inline std::atomic<int> prefetch_level{1};
+
 // Group `g + ahead` (kAheadBytes on) of NB weight streams (`block_bytes` apart from `first`)
 // into L1, or past their end the same group of the next set's streams (`next`, or nothing
 // where null): a set's streams are a few KB each, too short for the hardware prefetcher to
@@ -89,9 +95,15 @@ inline void prefetch_groups(const uint8_t* first, const uint8_t* next, int64_t g
     first = next;
     at -= groups;
   }
+  const bool to_l2 = prefetch_level.load(std::memory_order_relaxed) != 0;
   for (int n = 0; n < NB; ++n) {
     const char* line = reinterpret_cast<const char*>(first + n * block_bytes + at * group_bytes);
-    for (int64_t b = 0; b < group_bytes; b += 64) _mm_prefetch(line + b, _MM_HINT_T0);
+    for (int64_t b = 0; b < group_bytes; b += 64) {
+      if (to_l2)
+        _mm_prefetch(line + b, _MM_HINT_T1);
+      else
+        _mm_prefetch(line + b, _MM_HINT_T0);
+    }
   }
 }
 

@@ -6,6 +6,10 @@
 //   32g+4c+2+e (high nibble), i.e. k-pairs 2c and 2c+1 of the group in the bf16 layout;
 //   16 float32 scales s, then 16 float32 mins m (one per row). float32, not bf16: a GGUF's
 //   Q4_K group scale d * sc and min dmin * m carry up to 17 significant bits, held exactly.
+// Or 320 bytes, the same with float16 scales and mins, where every one of the weight's is a
+// float16 exactly (a GGUF's Q4_0 and Q4_1, whose d and m are float16): a sixth fewer bytes
+// for one decode row to stream, widened back to the same float32 values (the same sums).
+// The packed tensor's size says which.
 // A nibble n becomes the bf16 bits 0x4300 | n, which is 128 + n exactly, so one `vdpbf16ps`
 // multiplies it with a pair of x, and per group
 //   sum_k w_k x_k = s * sum_k (128 + q_k) x_k + (m - 128 s) * sum_k x_k.
@@ -45,9 +49,32 @@
 namespace {
 
 constexpr int64_t kGroup = 32;
-constexpr int64_t kGroupBytes = 384;
+constexpr int64_t kGroupBytes = 384;      // float32 scales and mins
+constexpr int64_t kHalfGroupBytes = 320;  // float16 ones
 
 using namespace ladle;
+
+#if defined(LADLE_V16)
+// A group's 16 scales (`which` 0) or mins (1), as float32, in the layout of `GB` bytes a group.
+template <int64_t GB>
+inline V16 group_meta(const uint8_t* group, int which) {
+  static_assert(GB == kGroupBytes || GB == kHalfGroupBytes);
+  if constexpr (GB == kGroupBytes)
+    return v_load(reinterpret_cast<const float*>(group + 256) + 16 * which);
+  else
+    return v_load_half(group + 256 + 32 * which);
+}
+#endif
+
+// The group layout `packed` holds for an [N, K] weight (its size tells), then `run` with it
+// as a template argument: `run(std::integral_constant<int64_t, bytes>{})`.
+template <class F>
+auto with_group_bytes(const at::Tensor& packed, int64_t N, int64_t K, const F& run) {
+  const int64_t cells = (N / kRows) * (K / kGroup);
+  if (cells > 0 && packed.numel() == cells * kHalfGroupBytes)
+    return run(std::integral_constant<int64_t, kHalfGroupBytes>{});
+  return run(std::integral_constant<int64_t, kGroupBytes>{});
+}
 
 #if defined(__AVX512BF16__)
 
@@ -72,23 +99,23 @@ inline void expand_chunk(const uint8_t* chunk, __m512i& lo, __m512i& hi) {
 }
 
 // out += this group's contribution, from its two sums: the one order every path uses.
+template <int64_t GB>
 inline __m512 group_out(__m512 out, const uint8_t* group, __m512 first, __m512 second, float xsum) {
-  const float* meta = reinterpret_cast<const float*>(group + 256);
-  const __m512 scale = _mm512_loadu_ps(meta), min = _mm512_loadu_ps(meta + 16);
+  const __m512 scale = group_meta<GB>(group, 0), min = group_meta<GB>(group, 1);
   out = _mm512_fmadd_ps(scale, _mm512_add_ps(first, second), out);
   return _mm512_fmadd_ps(_mm512_fnmadd_ps(_mm512_set1_ps(128.0f), scale, min),
                          _mm512_set1_ps(xsum), out);
 }
 
 // One row of x against NB blocks at once (NB streams in flight: one row is memory-bound).
-template <int NB>
+template <int NB, int64_t GB>
 void row_blocks(const uint16_t* x, const float* xsum, const uint8_t* first_block, int64_t groups,
                 const float* bias, uint16_t* y, const uint8_t* next_set = nullptr) {
-  const int64_t block_bytes = groups * kGroupBytes;
+  const int64_t block_bytes = groups * GB;
   __m512 out[NB];
   for (int n = 0; n < NB; ++n) out[n] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    prefetch_groups<NB>(first_block, next_set, g, groups, block_bytes, kGroupBytes);
+    prefetch_groups<NB>(first_block, next_set, g, groups, block_bytes, GB);
     __m512 acc[NB][2];
     for (int n = 0; n < NB; ++n) acc[n][0] = acc[n][1] = _mm512_setzero_ps();
     const uint16_t* xg = x + g * kGroup;
@@ -96,21 +123,21 @@ void row_blocks(const uint16_t* x, const float* xsum, const uint8_t* first_block
       const __m512i x0 = pair_of(xg + 4 * c), x1 = pair_of(xg + 4 * c + 2);
       for (int n = 0; n < NB; ++n) {
         __m512i lo, hi;
-        expand_chunk(first_block + n * block_bytes + g * kGroupBytes + 32 * c, lo, hi);
+        expand_chunk(first_block + n * block_bytes + g * GB + 32 * c, lo, hi);
         acc[n][0] = _mm512_dpbf16_ps(acc[n][0], as_bh(lo), as_bh(x0));
         acc[n][1] = _mm512_dpbf16_ps(acc[n][1], as_bh(hi), as_bh(x1));
       }
     }
     for (int n = 0; n < NB; ++n)
-      out[n] = group_out(out[n], first_block + n * block_bytes + g * kGroupBytes, acc[n][0],
-                         acc[n][1], xsum[g]);
+      out[n] = group_out<GB>(out[n], first_block + n * block_bytes + g * GB, acc[n][0],
+                             acc[n][1], xsum[g]);
   }
   for (int n = 0; n < NB; ++n)
     store_bf16(y + n * kRows, with_bias(out[n], bias ? bias + n * kRows : nullptr));
 }
 
 // M rows of x (ldx apart) against one block: the block's nibbles expanded once per chunk.
-template <int M>
+template <int M, int64_t GB>
 void block_rows(const uint16_t* x, int64_t ldx, const float* xsum, int64_t groups,
                 const uint8_t* block, const float* bias, uint16_t* y, int64_t ldy) {
   __m512 out[M];
@@ -120,7 +147,7 @@ void block_rows(const uint16_t* x, int64_t ldx, const float* xsum, int64_t group
     for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
     for (int c = 0; c < 8; ++c) {
       __m512i lo, hi;
-      expand_chunk(block + g * kGroupBytes + 32 * c, lo, hi);
+      expand_chunk(block + g * GB + 32 * c, lo, hi);
       for (int m = 0; m < M; ++m) {
         const uint16_t* xg = x + m * ldx + g * kGroup;
         acc[m][0] = _mm512_dpbf16_ps(acc[m][0], as_bh(lo), as_bh(pair_of(xg + 4 * c)));
@@ -128,37 +155,39 @@ void block_rows(const uint16_t* x, int64_t ldx, const float* xsum, int64_t group
       }
     }
     for (int m = 0; m < M; ++m)
-      out[m] = group_out(out[m], block + g * kGroupBytes, acc[m][0], acc[m][1],
-                         xsum[m * groups + g]);
+      out[m] = group_out<GB>(out[m], block + g * GB, acc[m][0], acc[m][1],
+                             xsum[m * groups + g]);
   }
   for (int m = 0; m < M; ++m) store_bf16(y + m * ldy, with_bias(out[m], bias));
 }
 
+template <int64_t GB>
 void gemv_int4(const uint16_t* x, const uint8_t* packed, const float* bias, uint16_t* y,
                int64_t N, int64_t K) {
   constexpr int64_t kSet = 4;
-  const int64_t groups = K / kGroup, block_bytes = groups * kGroupBytes;
+  const int64_t groups = K / kGroup, block_bytes = groups * GB;
   const std::vector<float> xsum = group_sums(x, 1, K);
   const auto bias_at = [&](int64_t b) { return bias ? bias + b * kRows : nullptr; };
   row_sets<kSet>(
       N / kRows,
       [&](int64_t b0, int64_t next) {
-        row_blocks<kSet>(x, xsum.data(), packed + b0 * block_bytes, groups, bias_at(b0),
+        row_blocks<kSet, GB>(x, xsum.data(), packed + b0 * block_bytes, groups, bias_at(b0),
                          y + b0 * kRows, next < 0 ? nullptr : packed + next * block_bytes);
       },
       [&](int64_t b) {
-        row_blocks<1>(x, xsum.data(), packed + b * block_bytes, groups, bias_at(b),
+        row_blocks<1, GB>(x, xsum.data(), packed + b * block_bytes, groups, bias_at(b),
                       y + b * kRows);
       });
 }
 
+template <int64_t GB>
 void gemm_rows(const uint16_t* x, const uint8_t* packed, const float* bias, uint16_t* y,
                int64_t M, int64_t N, int64_t K) {
-  const int64_t groups = K / kGroup, block_bytes = groups * kGroupBytes;
+  const int64_t groups = K / kGroup, block_bytes = groups * GB;
   const std::vector<float> xsum = group_sums(x, M, K);
   block_passes(N / kRows, M, kMaxM, [&](int64_t b, int64_t m0, int64_t rows) {
     with_rows(rows, [&](auto m) {
-      block_rows<decltype(m)::value>(x + m0 * K, K, xsum.data() + m0 * groups, groups,
+      block_rows<decltype(m)::value, GB>(x + m0 * K, K, xsum.data() + m0 * groups, groups,
                                      packed + b * block_bytes, bias ? bias + b * kRows : nullptr,
                                      y + m0 * N + b * kRows, N);
     });
@@ -170,14 +199,17 @@ void gemm_rows(const uint16_t* x, const uint8_t* packed, const float* bias, uint
 at::Tensor gemm_int4(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                      const c10::optional<at::Tensor>& bias) {
 #if defined(__AVX512BF16__)
-  return grouped_gemm("int4", x, packed, out_features, bias, kGroup, kGroupBytes,
-                      [](const uint16_t* xp, const uint8_t* pp, const float* bp, uint16_t* yp,
-                         int64_t M, int64_t N, int64_t K) {
-                        if (M == 1)
-                          gemv_int4(xp, pp, bp, yp, N, K);
-                        else
-                          gemm_rows(xp, pp, bp, yp, M, N, K);
-                      });
+  return with_group_bytes(packed, out_features, x.dim() > 0 ? x.size(-1) : 0, [&](auto bytes) {
+    constexpr int64_t GB = decltype(bytes)::value;
+    return grouped_gemm("int4", x, packed, out_features, bias, kGroup, GB,
+                        [](const uint16_t* xp, const uint8_t* pp, const float* bp, uint16_t* yp,
+                           int64_t M, int64_t N, int64_t K) {
+                          if (M == 1)
+                            gemv_int4<GB>(xp, pp, bp, yp, N, K);
+                          else
+                            gemm_rows<GB>(xp, pp, bp, yp, M, N, K);
+                        });
+  });
 #else
   TORCH_CHECK(false, "ladle_native.gemm_int4: built without AVX512-BF16");
 #endif
@@ -200,26 +232,27 @@ inline void widen_add(__m256i s16, __m256i& lo, __m256i& hi) {
 }
 
 // out += this group's s d P + m d S, in the one order every path uses.
+template <int64_t GB>
 inline V16 group_q8(V16 out, const uint8_t* group, __m256i p_lo, __m256i p_hi, float d, float ds) {
-  const float* meta = reinterpret_cast<const float*>(group + 256);
   const V16 P = v_halves(_mm256_cvtepi32_ps(p_lo), _mm256_cvtepi32_ps(p_hi));
-  out = v_fmadd(v_load(meta), v_mul(P, v_set1(d)), out);
-  return v_fmadd(v_load(meta + 16), v_set1(ds), out);
+  out = v_fmadd(group_meta<GB>(group, 0), v_mul(P, v_set1(d)), out);
+  return v_fmadd(group_meta<GB>(group, 1), v_set1(ds), out);
 }
 
+template <int64_t GB>
 struct Int4Q8 {
   // M rows (M <= kMaxM) of quantized x against NB blocks (one row: NB streams; several rows:
   // NB = 1, each chunk's nibbles shared by all of them).
   template <int M, int NB>
   static void run(const Q8Rows& xq, int64_t m0, const uint8_t* first_block, int64_t groups,
                   const float* bias, float* y, int64_t ldy, const uint8_t* next_set = nullptr) {
-    const int64_t block_bytes = groups * kGroupBytes;
+    const int64_t block_bytes = groups * GB;
     V16 out[M][NB];
     for (int m = 0; m < M; ++m)
       for (int n = 0; n < NB; ++n) out[m][n] = v_zero();
     for (int64_t g = 0; g < groups; ++g) {
       if (M == 1)
-        prefetch_groups<NB>(first_block, next_set, g, groups, block_bytes, kGroupBytes);
+        prefetch_groups<NB>(first_block, next_set, g, groups, block_bytes, GB);
       __m256i p_lo[M][NB], p_hi[M][NB];
       for (int m = 0; m < M; ++m)
         for (int n = 0; n < NB; ++n) p_lo[m][n] = p_hi[m][n] = _mm256_setzero_si256();
@@ -230,7 +263,7 @@ struct Int4Q8 {
         for (int c = 4 * half; c < 4 * half + 4; ++c) {
           for (int n = 0; n < NB; ++n) {
             __m256i lo, hi;
-            nibbles(first_block + n * block_bytes + g * kGroupBytes + 32 * c, lo, hi);
+            nibbles(first_block + n * block_bytes + g * GB + 32 * c, lo, hi);
             for (int m = 0; m < M; ++m) {
               const int8_t* p = xq.p.data() + (m0 + m) * groups * kGroup + g * kGroup + 4 * c;
               const __m256i a = _mm256_maddubs_epi16(lo, _mm256_set1_epi16(p_at<int16_t>(p)));
@@ -245,8 +278,8 @@ struct Int4Q8 {
       for (int m = 0; m < M; ++m) {
         const int64_t i = (m0 + m) * groups + g;
         for (int n = 0; n < NB; ++n)
-          out[m][n] = group_q8(out[m][n], first_block + n * block_bytes + g * kGroupBytes,
-                               p_lo[m][n], p_hi[m][n], xq.d[i], xq.ds[i]);
+          out[m][n] = group_q8<GB>(out[m][n], first_block + n * block_bytes + g * GB,
+                                   p_lo[m][n], p_hi[m][n], xq.d[i], xq.ds[i]);
       }
     }
     q8_store<M, NB>(out, bias, y, ldy);
@@ -258,7 +291,10 @@ struct Int4Q8 {
 at::Tensor gemm_int4_f32(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                          const c10::optional<at::Tensor>& bias) {
 #if defined(__AVX2__) && defined(__FMA__) && defined(LADLE_V16)
-  return q8_op<Int4Q8>("int4", x, packed, out_features, bias, kGroupBytes);
+  return with_group_bytes(packed, out_features, x.dim() > 0 ? x.size(-1) : 0, [&](auto bytes) {
+    constexpr int64_t GB = decltype(bytes)::value;
+    return q8_op<Int4Q8<GB>>("int4", x, packed, out_features, bias, GB);
+  });
 #else
   TORCH_CHECK(false, "ladle_native.gemm_int4_f32: built without AVX2 and FMA");
 #endif

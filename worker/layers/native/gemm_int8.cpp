@@ -249,9 +249,16 @@ bool int8_available() {
 #endif
 }
 
+// Sets `prefetch_level` (gemm.h) for every grouped kernel; returns the level it replaced.
+int64_t set_prefetch_level(int64_t level) {
+  TORCH_CHECK(level == 0 || level == 1, "prefetch level must be 0 (L1) or 1 (L2)");
+  return prefetch_level.exchange(static_cast<int>(level));
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ladle_native, m) {
+  m.def("set_prefetch_level(int level) -> int", &set_prefetch_level);
   m.def("int8_available() -> bool", &int8_available);
   m.def("gemm_int8(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
   m.def("gemm_int8_f32(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");

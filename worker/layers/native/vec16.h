@@ -28,6 +28,10 @@ using V16 = __m512;
 inline V16 v_zero() { return _mm512_setzero_ps(); }
 inline V16 v_set1(float x) { return _mm512_set1_ps(x); }
 inline V16 v_load(const float* p) { return _mm512_loadu_ps(p); }
+// 16 float16 values, widened (exactly) to float32
+inline V16 v_load_half(const void* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 inline void v_store(float* p, V16 v) { _mm512_storeu_ps(p, v); }
 inline V16 v_add(V16 a, V16 b) { return _mm512_add_ps(a, b); }
 inline V16 v_sub(V16 a, V16 b) { return _mm512_sub_ps(a, b); }
@@ -74,7 +78,7 @@ inline V16 sum_lanes(const V16* a) {
 
 }  // namespace ladle
 
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)  // every AVX2 CPU has F16C
 #define LADLE_V16 1
 #define LADLE_V16_ISA "AVX2+FMA"
 
@@ -87,6 +91,10 @@ struct V16 {
 inline V16 v_zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 inline V16 v_set1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
 inline V16 v_load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline V16 v_load_half(const void* p) {
+  const __m128i* h = reinterpret_cast<const __m128i*>(p);
+  return {_mm256_cvtph_ps(_mm_loadu_si128(h)), _mm256_cvtph_ps(_mm_loadu_si128(h + 1))};
+}
 inline V16 v_halves(__m256 lo, __m256 hi) { return {lo, hi}; }
 inline void v_store(float* p, V16 v) {
   _mm256_storeu_ps(p, v.lo);
