@@ -1,6 +1,6 @@
 """`python -m worker.prepare`: the one-time work of a first start, done at `make install`.
 
-Builds Ladle's native kernels for this CPU and converts the default model's GGUF into an HF
+Builds Ladle's native kernels for this CPU (and times their prefetch level once) and converts the default model's GGUF into an HF
 directory, both inside the environment (`{sys.prefix}/share/ladle/`), where a worker with an
 empty cache (`LLM_CACHE_DIR`) finds them: its first start then skips ~20 s of compiling and
 ~12 s of converting (docs/benchmarks.md, "Start-up"). Each part that fails says why and is
