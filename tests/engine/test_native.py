@@ -135,24 +135,15 @@ def test_int4_packs_float16_scales_only_where_exact():
 
 
 @pytest.mark.parametrize("out_features,in_features", [(64, 32), (960, 576), (208, 1536)])
-def test_int4_layouts_give_the_same_bits(out_features, in_features):
+def test_int4_layouts_give_the_same_bits(out_features, in_features, monkeypatch):
     """float16 or float32 scales and mins in the packed weight: the same float32 values in
     the kernel, so the same outputs to the bit, on bf16 and on float32 activations."""
     from worker.layers.quant import quantize_int4
 
-    if not native.loaded():
-        pytest.skip("native kernels unavailable")
     weight = quantize_int4(torch.randn(out_features, in_features))
     half = native.pack_int4(weight.values, weight.scales, weight.mins)
-    full = torch.empty(0)
-    import worker.layers.native as native_module
-
-    original = native_module.is_half_exact
-    native_module.is_half_exact = lambda t: False  # the float32 layout of the same values
-    try:
-        full = native.pack_int4(weight.values, weight.scales, weight.mins)
-    finally:
-        native_module.is_half_exact = original
+    monkeypatch.setattr(native, "is_half_exact", lambda t: False)  # float32 layout, same values
+    full = native.pack_int4(weight.values, weight.scales, weight.mins)
     assert half.shape[2] == 320 and full.shape[2] == 384
     for rows in (1, 2, 7, 8, 9, 17):
         x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
@@ -164,13 +155,20 @@ def test_int4_layouts_give_the_same_bits(out_features, in_features):
         assert torch.equal(got, torch.ops.ladle_native.gemm_int4_f32(x, full, out_features, None))
 
 
+@pytest.fixture
+def prefetch_level_kept():
+    """The process's prefetch level, put back after the test."""
+    before = torch.ops.ladle_native.set_prefetch_level(1)
+    yield
+    torch.ops.ladle_native.set_prefetch_level(before)
+
+
+@pytest.mark.usefixtures("prefetch_level_kept")
 def test_prefetch_level_is_measured_once_and_changes_no_bits(tmp_path, monkeypatch):
     """The level is measured on first load and kept beside the library; either level gives
     the same outputs (a prefetch only changes when weights arrive)."""
     from worker.layers.quant import quantize_int4
 
-    if not native.loaded():
-        pytest.skip("native kernels unavailable")
     ops = torch.ops.ladle_native
     monkeypatch.setattr(native, "_probe_bytes", lambda: 8 << 20)
     library = tmp_path / "ladle_native-test.so"
@@ -185,15 +183,12 @@ def test_prefetch_level_is_measured_once_and_changes_no_bits(tmp_path, monkeypat
     weight = quantize_int4(torch.randn(960, 576))
     packed = native.pack_int4(weight.values, weight.scales, weight.mins)
     x = torch.randn(1, 576)
-    outputs, before = [], native._state.get("prefetch_level", 1)
-    try:
-        for level in (0, 1):
-            ops.set_prefetch_level(level)
-            outputs.append(ops.gemm_int4_f32(x, packed, 960, None))
-            if native.bf16():
-                outputs.append(ops.gemm_int4(x.to(torch.bfloat16), packed, 960, None))
-    finally:
-        ops.set_prefetch_level(before)
+    outputs = []
+    for level in (0, 1):
+        ops.set_prefetch_level(level)
+        outputs.append(ops.gemm_int4_f32(x, packed, 960, None))
+        if native.bf16():
+            outputs.append(ops.gemm_int4(x.to(torch.bfloat16), packed, 960, None))
     half = len(outputs) // 2
     assert all(torch.equal(a, b) for a, b in zip(outputs[:half], outputs[half:], strict=True))
 

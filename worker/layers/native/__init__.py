@@ -184,7 +184,7 @@ def load(cache_dir: str | None = None) -> bool:
             how = "built at" if built else "loaded from"
             logger.info("native kernels %s %s (%.1f s)", how, path, time.perf_counter() - started)
             if loaded:
-                _state["prefetch_level"] = choose_prefetch_level(path)
+                choose_prefetch_level(path)
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
             reason = f"build or load failed: {exc}"
     _state.update(loaded=loaded, reason=reason)
