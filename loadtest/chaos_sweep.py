@@ -130,10 +130,36 @@ def check_redis(redis_url: str, keys: Keys, ledger: Ledger) -> None:
         record = json.loads(raw)
         if record["status"] not in FINAL:
             ledger.lost += 1
-        entries = client.xrange(keys.stream(record["id"]))
-        types = [json.loads(fields[b"data"]).get("type") for _, fields in entries]
-        extra = sum(t in ("done", "error") for t in types) - 1
+        events = [
+            json.loads(fields[b"data"]) for _, fields in client.xrange(keys.stream(record["id"]))
+        ]
+        extra = sum(event.get("type") in ("done", "error") for event in events) - 1
         if extra > 0:
             ledger.duplicated += extra
-            ledger.details.append(f"job {record['id']}: {extra + 1} terminal events {types}")
+            ledger.details.append(
+                f"job {record['id']} ({record['status']}, attempts {record.get('attempts')}, "
+                f"worker {record.get('worker_id')}): {extra + 1} terminal events: "
+                + stream_summary(events)
+            )
     client.close()
+
+
+def stream_summary(events: list[dict]) -> str:
+    """A stream's events in a line: runs of deltas counted, the rest with whose they are."""
+    parts: list[str] = []
+    for event in events:
+        kind = event.get("type")
+        if kind == "delta":
+            if parts and parts[-1].startswith("delta x"):
+                parts[-1] = f"delta x{int(parts[-1][7:]) + 1}"
+            else:
+                parts.append("delta x1")
+        elif kind == "started":
+            parts.append(f"started(attempt {event.get('attempt')}, {event.get('worker_id')})")
+        elif kind == "restart":
+            parts.append(f"restart(attempt {event.get('attempt')})")
+        elif kind == "error":
+            parts.append(f"error({event.get('status')} {event.get('code')})")
+        else:
+            parts.append(str(kind))
+    return ", ".join(parts)

@@ -36,16 +36,31 @@ WRITE_BACKOFF = Backoff(first_s=0.05, max_s=2.0)
 
 # The shared final statuses as a Lua table literal.
 FINAL_STATUSES_LUA = "{" + ", ".join(f"'{status}'" for status in sorted(FINAL_STATUSES)) + "}"
-# Sets the record and appends the last event only while the stored record is not final.
+# Lua: return 0 where the stored record (KEYS[1]) is final, else go on with `current` set.
 # Records are pydantic JSON (no spaces), so the status test is a plain substring match.
-_FINISH_SCRIPT = (
-    """
+_UNLESS_FINAL = """
 local current = redis.call('GET', KEYS[1])
 if current then
   for _, status in ipairs(FINAL_STATUSES_LUA) do
     if string.find(current, '"status":"' .. status .. '"', 1, true) then return 0 end
   end
 end
+""".replace("FINAL_STATUSES_LUA", FINAL_STATUSES_LUA)
+# Marks a record in progress only where it is there and not final: 1 set, 0 final, -1 gone
+# (the heartbeat puts it back). An attempt held up between reading the record and this write
+# (a worker stopped past its lease) must not reopen a job another attempt has ended.
+_START_SCRIPT = (
+    _UNLESS_FINAL
+    + """
+if not current then return -1 end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+return 1
+"""
+)
+# Sets the record and appends the last event only while the stored record is not final.
+_FINISH_SCRIPT = (
+    _UNLESS_FINAL
+    + """
 redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[3])
 if ARGV[2] ~= '' then
   redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'data', ARGV[2])
@@ -59,7 +74,7 @@ redis.call('EXPIRE', KEYS[5], ARGV[3])
     + settle_lua(6, 7)
     + """return 1
 """
-).replace("FINAL_STATUSES_LUA", FINAL_STATUSES_LUA)
+)
 
 
 class JobWriter:
@@ -81,6 +96,7 @@ class JobWriter:
         self.stream_maxlen = stream_maxlen
         self.deadline_s = deadline_s
         self._finish = redis.register_script(_FINISH_SCRIPT)
+        self._start = redis.register_script(_START_SCRIPT)
 
     async def _until_deadline(self, op: Callable[[], Awaitable[T]], what: str) -> T:
         """Every job write: retried while Redis is away, given up after `deadline_s`."""
@@ -102,20 +118,18 @@ class JobWriter:
         key = self.keys.cancelled(job_id)
         return bool(await self._until_deadline(lambda: self.redis.exists(key), "reading a cancel"))
 
-    async def mark_in_progress(self, record: JobRecord, attempt: int, worker_id: str) -> None:
+    async def mark_in_progress(self, record: JobRecord, attempt: int, worker_id: str) -> bool:
+        """Record this attempt as running; False where the job ended meanwhile (skip it)."""
         record.status = "in_progress"
         record.attempts = attempt
         record.worker_id = worker_id
         record.started_at = record.started_at or time.time()
-        await self._until_deadline(
-            lambda: self.redis.set(
-                self.keys.job(record.id),
-                record.model_dump_json(),
-                ex=self.ttl_s + QUEUED_GRACE_S,
-                xx=True,
-            ),
-            "marking a job in progress",
+        keys = [self.keys.job(record.id)]
+        args = [record.model_dump_json(), self.ttl_s + QUEUED_GRACE_S]
+        started = await self._until_deadline(
+            lambda: self._start(keys=keys, args=args), "marking a job in progress"
         )
+        return int(started) != 0
 
     def restore(self, pipe: Redis, job_id: str, record_json: str, payload_json: str) -> None:
         """Queue writes that put back a running job's record and payload if Redis lost them

@@ -137,7 +137,8 @@ class WorkerService:
             return "cancelled"
         self.num_pending += 1
         try:
-            await self.store.mark_in_progress(record, attempt, self.worker_id)
+            if not await self.store.mark_in_progress(record, attempt, self.worker_id):
+                return "skipped"  # another attempt ended it since `get`
             if attempt > 1:
                 reason = "the previous attempt's worker was lost or shut down"
                 await self.store.append_now(
