@@ -9,6 +9,7 @@ AMX cases also need a CPU with AMX.
 from __future__ import annotations
 
 import functools
+import json
 import random
 
 import pytest
@@ -99,16 +100,21 @@ def test_float32_gemm_matches_float64_product(out_features, in_features, bias):
 
 
 @bf16_only
-@pytest.mark.parametrize("out_features,in_features", [(64, 32), (960, 576), (208, 1536)])
-def test_int4_matches_the_dequantized_weight(out_features, in_features):
+@pytest.mark.parametrize("amx", [False, True])
+@pytest.mark.parametrize("out_features,in_features", [(64, 32), (960, 576), (192, 1536)])
+def test_int4_matches_the_dequantized_weight(out_features, in_features, amx, monkeypatch):
     from worker.layers.quant import Int4Kernel, quantize_int4
 
+    if amx and not native.int4_amx_usable(out_features, in_features):
+        pytest.skip("no AMX int4 kernel on this CPU")
+    monkeypatch.setitem(native._state, "int4_amx", amx)
     weight = quantize_int4(torch.randn(out_features, in_features))
     kernel = Int4Kernel(weight, None)
-    assert kernel.name == "int4-native" and kernel.native_packed is not None
+    assert kernel.native_packed is not None and kernel.amx == amx
+    assert kernel.name == ("int4-amx" if amx else "int4-native")
     # the native kernel holds the float32 scales and mins themselves: w = q s + m
     dequantized = weight.dequantize()
-    for rows in (1, 2, 7, 16, 17, 33):
+    for rows in (1, 2, 7, 16, 17, 33, 150):
         x = _bf16(rows, in_features, seed=rows)
         expected = x.float() @ dequantized.T
         # one bf16 rounding of the output (and of the sums' order) at the outputs' scale
@@ -149,6 +155,10 @@ def test_int4_layouts_give_the_same_bits(out_features, in_features, monkeypatch)
         x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
         if native.bf16():
             xb = x.to(torch.bfloat16)
+            for amx in (False, True) if native.int4_amx_usable(out_features, in_features) else ():
+                got = torch.ops.ladle_native.gemm_int4(xb, half, out_features, None, amx)
+                again = torch.ops.ladle_native.gemm_int4(xb, full, out_features, None, amx)
+                assert torch.equal(got, again)
             got = torch.ops.ladle_native.gemm_int4(xb, half, out_features, None)
             assert torch.equal(got, torch.ops.ladle_native.gemm_int4(xb, full, out_features, None))
         got = torch.ops.ladle_native.gemm_int4_f32(x, half, out_features, None)
@@ -191,6 +201,41 @@ def test_prefetch_level_is_measured_once_and_changes_no_bits(tmp_path, monkeypat
             outputs.append(ops.gemm_int4(x.to(torch.bfloat16), packed, 960, None))
     half = len(outputs) // 2
     assert all(torch.equal(a, b) for a, b in zip(outputs[:half], outputs[half:], strict=True))
+
+
+def test_int4_kernel_is_measured_once_where_the_cpu_has_amx(tmp_path, monkeypatch):
+    """Where AMX applies, both int4 kernels are timed on first load and the choice is kept
+    beside the library; elsewhere nothing is timed and layers keep the `vdpbf16ps` one."""
+    library = tmp_path / "ladle_native-test.so"
+    record = tmp_path / "ladle_native-test.int4.json"
+    if not (native.bf16() and native.int4_amx_usable(3072, 576)):
+        monkeypatch.setattr(native, "measure_int4_kernels", lambda: pytest.fail("measured"))
+        assert native.choose_int4_amx(library) is False and not record.exists()
+        assert not native.int4_amx(960, 576)
+        return
+    monkeypatch.setattr(native, "INT4_PROBE_ROWS", (1, 16))
+    chosen = native.choose_int4_amx(library)
+    kept = json.loads(record.read_text())
+    assert kept["kernel"] == ("amx" if chosen else "avx512")
+    assert set(kept["seconds"]) == {"avx512", "amx"}
+    record.write_text('{"kernel": "avx512"}')  # a kept choice is used as it is
+    monkeypatch.setattr(native, "measure_int4_kernels", lambda: pytest.fail("measured"))
+    assert native.choose_int4_amx(library) is False
+    record.write_text('{"kernel": "amx"}')
+    assert native.choose_int4_amx(library) is True
+    monkeypatch.setitem(native._state, "int4_amx", True)
+    assert native.int4_amx(960, 576) and not native.int4_amx(208, 576)  # 64 outputs a set
+
+
+@bf16_only
+def test_int4_amx_is_refused_where_it_does_not_apply():
+    from worker.layers.quant import quantize_int4
+
+    weight = quantize_int4(torch.randn(208, 576))  # 208 outputs: not whole sets of 64
+    packed = native.pack_int4(weight.values, weight.scales, weight.mins)
+    assert not native.int4_amx_usable(208, 576)
+    with pytest.raises(RuntimeError, match="no AMX path"):
+        torch.ops.ladle_native.gemm_int4(_bf16(1, 576, seed=1), packed, 208, None, True)
 
 
 def _require_int8() -> None:
@@ -304,8 +349,9 @@ def test_int4_kernel_takes_float32_where_bf16_kernels_are_missing():
     from worker.layers.quant import Int4Kernel, quantize_int4
 
     kernel = Int4Kernel(quantize_int4(torch.randn(64, 64)), torch.randn(64))
-    expected = "int4-native" if native.bf16() else "int4-native-q8"
-    assert kernel.name == expected and kernel.native_packed is not None
+    bf16_name = "int4-amx" if native.int4_amx(64, 64) else "int4-native"
+    assert kernel.name == (bf16_name if native.bf16() else "int4-native-q8")
+    assert kernel.native_packed is not None
     x = torch.randn(3, 64)
     assert kernel(x).dtype == torch.float32 and kernel(x).shape == (3, 64)
 

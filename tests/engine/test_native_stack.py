@@ -49,7 +49,8 @@ def _run(model_dir: Path, enabled: bool, monkeypatch, **settings: object) -> tup
     "family,settings",
     [
         ("llama", {"num_threads": 2}),
-        ("llama", {"num_threads": 1, "quantization": "int4"}),
+        ("llama", {"num_threads": 1, "quantization": "int4", "int4_amx": False}),
+        ("llama", {"num_threads": 2, "quantization": "int4", "int4_amx": True}),
         ("qwen2", {"num_threads": 2}),  # a bias on qkv
     ],
 )
@@ -58,6 +59,11 @@ def test_stack_gives_the_loops_answers(family, settings, dtype, tmp_path, monkey
     if dtype == "float32" and "quantization" in settings and native.bf16():
         pytest.skip("int4 computes on bf16 activations where the bf16 kernels are")
     settings = {**settings, "dtype": dtype}
+    if "int4_amx" in settings:  # either int4 kernel, whichever this machine measured faster
+        amx = settings.pop("int4_amx")
+        if amx and not native.int4_amx_usable(64, 128):
+            pytest.skip("no AMX int4 kernel on this CPU")
+        monkeypatch.setitem(native._state, "int4_amx", amx)
     path = tiny_model_dir(family, tmp_path, hidden_size=128, intermediate_size=256)
     add_tiny_tokenizer(path)
     looped, none = _run(path, False, monkeypatch, **settings)

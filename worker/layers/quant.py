@@ -224,11 +224,14 @@ class Int4Kernel(WeightOnlyKernel):
     group of 32, as llama.cpp does there).
 
     The native ones stream nibbles straight into bf16 or integer dot products, one row or
-    many, in one order per row (batch invariant, `worker/layers/native/gemm_int4.cpp`)."""
+    many, in one order per row (batch invariant, `worker/layers/native/gemm_int4.cpp`); on a
+    CPU with AMX, where `native.load` timed it faster, the bf16 one sums each group on the
+    tiles instead, for every row count."""
 
     name = "int4"
     batch_invariant = True
     native_packed: torch.Tensor | None = None
+    amx = False  # the native kernel's AMX path (measured once per machine: `native.int4_amx`)
 
     def pack(self, weight: QuantizedTensor) -> None:
         assert weight.mins is not None
@@ -242,7 +245,8 @@ class Int4Kernel(WeightOnlyKernel):
             if not bf16:
                 self.compute_dtype, self.name = torch.float32, "int4-native-q8"
             else:
-                self.name = "int4-native"
+                self.amx = native.int4_amx(n, k)
+                self.name = "int4-amx" if self.amx else "int4-native"
             return
         zeros = weight.mins + 8 * weight.scales  # torch's zero: the value at q = 8
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
@@ -258,7 +262,9 @@ class Int4Kernel(WeightOnlyKernel):
                 x, self.native_packed, self.out_features, None
             )
         if self.native_packed is not None:
-            return torch.ops.ladle_native.gemm_int4(x, self.native_packed, self.out_features, None)
+            return torch.ops.ladle_native.gemm_int4(
+                x, self.native_packed, self.out_features, None, self.amx
+            )
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x, self.packed, self.group_size, self.scales_and_zeros
         )

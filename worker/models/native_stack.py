@@ -30,7 +30,7 @@ from worker.layers.linear_kernels import NativeKernel
 from worker.layers.quant import Int4Kernel
 
 _EMPTY = torch.empty(0)
-KIND_BF16, KIND_BF16_AMX, KIND_INT4, KIND_F32, KIND_INT4_F32 = 0, 1, 2, 3, 4
+KIND_BF16, KIND_BF16_AMX, KIND_INT4, KIND_F32, KIND_INT4_F32, KIND_INT4_AMX = 0, 1, 2, 3, 4, 5
 
 
 class NativeStack:
@@ -184,5 +184,6 @@ def _linear_part(
         and kernel.compute_dtype == dtype
     ):
         bias = kernel.bias if kernel.bias is not None else _EMPTY
-        return kernel.native_packed, bias, KIND_INT4_F32 if f32 else KIND_INT4
+        kind = KIND_INT4_F32 if f32 else KIND_INT4_AMX if kernel.amx else KIND_INT4
+        return kernel.native_packed, bias, kind
     return None

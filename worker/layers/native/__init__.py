@@ -56,7 +56,9 @@ SOURCES = tuple(
         "stack.cpp",
     )
 )
-HEADERS = tuple(_HERE / name for name in ("vec_bf16.h", "vec16.h", "gemm.h", "gemm_q8.h", "glue.h"))
+HEADERS = tuple(
+    _HERE / name for name in ("vec_bf16.h", "vec16.h", "gemm.h", "gemm_q8.h", "glue.h", "amx.h")
+)
 BUILD_TIMEOUT_S = 600
 _state: dict[str, object] = {}  # "loaded": bool, "reason": str (why not)
 
@@ -185,6 +187,7 @@ def load(cache_dir: str | None = None) -> bool:
             logger.info("native kernels %s %s (%.1f s)", how, path, time.perf_counter() - started)
             if loaded:
                 choose_prefetch_level(path)
+                _state["int4_amx"] = choose_int4_amx(path)
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
             reason = f"build or load failed: {exc}"
     _state.update(loaded=loaded, reason=reason)
@@ -258,6 +261,85 @@ def choose_prefetch_level(library: Path) -> int:
             pass  # a read-only install: measured again next start
     torch.ops.ladle_native.set_prefetch_level(level)
     return level
+
+
+# Rows the int4 kernels are timed at: the decode buckets and a prefill chunk's pass.
+INT4_PROBE_ROWS = (1, 4, 16, 64, 256)
+
+
+def measure_int4_kernels(rounds: int = 5) -> dict[str, dict[int, float]]:
+    """Median seconds per row count of the int4 kernels ("avx512": `vdpbf16ps`, "amx": tile
+    sums) over a default-model layer's weights (gate_up and down, 8 copies each, the
+    kernels alternating), for `choose_int4_amx`."""
+    ops = torch.ops.ladle_native
+    layers = []
+    for n, k in ((3072, 576), (576, 1536)):
+        cell = (n // 16) * (k // 32) * 320
+        layers += [(n, k, torch.zeros(cell, dtype=torch.uint8)) for _ in range(8)]
+    xs = {rows: torch.randn(rows, 1536).to(torch.bfloat16) for rows in INT4_PROBE_ROWS}
+    times: dict[str, dict[int, list[float]]] = {"avx512": {}, "amx": {}}
+    for round_ in range(rounds + 1):
+        for rows in INT4_PROBE_ROWS:
+            for name, amx in (("avx512", False), ("amx", True)):
+                started = time.perf_counter()
+                for n, k, packed in layers:
+                    ops.gemm_int4(xs[rows][:, :k], packed, n, None, amx)
+                if round_:  # the first round warms up
+                    times[name].setdefault(rows, []).append(time.perf_counter() - started)
+    return {
+        name: {rows: sorted(t)[len(t) // 2] for rows, t in by_rows.items()}
+        for name, by_rows in times.items()
+    }
+
+
+def choose_int4_amx(library: Path) -> bool:
+    """Whether bf16 int4 layers run on the AMX tiles here (one kernel for every row count: the
+    two sum in different orders). Where the CPU has them, both kernels are timed once per
+    machine at `INT4_PROBE_ROWS` and the one whose times, each relative to that row count's
+    faster, add up least is kept beside the library, as the kernel plan picks."""
+    ops = torch.ops.ladle_native
+    if not ops.available() or not ops.int4_amx_usable(3072, 576):
+        return False
+    record = library.with_name(f"{library.stem}.int4.json")
+    try:
+        return json.loads(record.read_text())["kernel"] == "amx"
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    started = time.perf_counter()
+    try:
+        seconds = measure_int4_kernels()
+    except RuntimeError as exc:  # never worth losing the kernels over
+        logger.warning("int4 kernels not timed (%s): AVX-512", exc)
+        return False
+    cost = {
+        name: sum(t / min(seconds["avx512"][rows], seconds["amx"][rows]) for rows, t in by.items())
+        for name, by in seconds.items()
+    }
+    kernel = min(sorted(cost), key=cost.__getitem__)
+    logger.info(
+        "int4 on %s: relative time summed over %s rows %.2f (AVX-512) and %.2f (AMX) (%.2f s)",
+        kernel,
+        "/".join(map(str, INT4_PROBE_ROWS)),
+        cost["avx512"],
+        cost["amx"],
+        time.perf_counter() - started,
+    )
+    try:
+        record.write_text(json.dumps({"kernel": kernel, "seconds": seconds}))
+    except OSError:
+        pass  # a read-only install: measured again next start
+    return kernel == "amx"
+
+
+def int4_amx_usable(out_features: int, in_features: int) -> bool:
+    """Whether `gemm_int4(..., amx=True)` takes this shape here (AMX, whole sets of 64 outputs)."""
+    return bf16() and bool(torch.ops.ladle_native.int4_amx_usable(out_features, in_features))
+
+
+def int4_amx(out_features: int, in_features: int) -> bool:
+    """Whether a bf16 int4 weight of this shape runs on the AMX tiles here: where it can and
+    `choose_int4_amx` kept AMX."""
+    return bool(_state.get("int4_amx")) and int4_amx_usable(out_features, in_features)
 
 
 def prebuild(into: Path) -> Path | None:

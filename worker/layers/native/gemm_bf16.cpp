@@ -22,9 +22,8 @@
 #include <torch/library.h>
 
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
+#include "amx.h"
 #include "gemm.h"
 #include "vec_bf16.h"
 
@@ -248,21 +247,6 @@ void strip_gemm(const uint16_t* x, const uint16_t* packed, const float* bias, ui
 // (tmm4..tmm7, float32 [rows, 16]), four streams in flight as in `gemv`.
 
 constexpr int kAmxBlocks = 4;
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-bool amx_permitted() {
-  // Linux hands out the AMX tile state only on request (oneDNN asks too; asking twice is fine).
-  constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  static const bool ok = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  return ok;
-}
 
 void configure_tiles(int64_t rows) {
   TileConfig cfg;

@@ -20,6 +20,15 @@
 // groups in order; then + bias. One row streams four blocks at once; several rows share each
 // block's nibbles, expanded once per group for all of them.
 //
+// With `amx=True` (every M, one row included, where the CPU has AMX and `native.load`
+// measured it faster here) each block's group becomes a B tile of q as bf16 (0..15, exact),
+// one `tdpbf16ps` per row tile gives every row's group sum P = sum_k q_k x_k (float32, in
+// the tile's own order, which does not depend on the tile's other rows), and per group
+//   out = fma(s, P, out), out = fma(m, sum of x over the group, out)
+// for groups in order; then + bias. The B tiles are made once per group for all row tiles
+// of a pass, so many rows cost tile multiplies, not nibble expansions. The sums differ from
+// the `vdpbf16ps` path's, so a process uses one of the two for every row count.
+//
 // gemm_int4_f32 takes float32 x and gives float32 y from the same packed weights, on AVX2
 // (CPUs without AVX512-BF16 run float32 models; AVX-512 machines have AVX2 too). It quantizes
 // x per row and group of 32 as llama.cpp does for its 4-bit dots on such CPUs (d = max |x| /
@@ -35,6 +44,7 @@
 
 #include <immintrin.h>
 
+#include "amx.h"
 #include "gemm.h"
 #include "gemm_q8.h"
 #include "vec16.h"
@@ -194,16 +204,171 @@ void gemm_rows(const uint16_t* x, const uint8_t* packed, const float* bias, uint
   });
 }
 
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+
+constexpr int64_t kAmxSet = 4;     // blocks per set: four C tiles
+constexpr int64_t kAmxPass = 128;  // rows per pass over a set's groups (their sums stay in L1)
+
+// bf16 bits of 0..15 in the lanes `vpermw` indexes with a nibble.
+inline __m512i nibble_values() {
+  alignas(64) uint16_t bits[32];
+  for (int i = 0; i < 32; ++i) {
+    const float value = static_cast<float>(i & 15);
+    uint32_t word;
+    std::memcpy(&word, &value, sizeof(word));
+    bits[i] = static_cast<uint16_t>(word >> 16);
+  }
+  return _mm512_load_si512(bits);
+}
+
+// One block's group as a B tile: k-pair rows 2c (chunk c's low nibbles) and 2c + 1 (high),
+// 16 outputs x 2 bf16 of q each.
+inline void group_tile(const uint8_t* group, __m512i values, uint16_t* tile) {
+  const __m512i low = _mm512_set1_epi16(0x0F);
+  for (int c = 0; c < 8; ++c) {
+    const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + 32 * c)));
+    _mm512_store_si512(tile + 64 * c, _mm512_permutexvar_epi16(_mm512_and_si512(v, low), values));
+    _mm512_store_si512(tile + 64 * c + 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), values));
+  }
+}
+
+// A (tmm0) and C (tmm4..7): `rows` rows; B (tmm1..3, used in turn): 16 k-pairs.
+void configure_int4_tiles(int64_t rows) {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = static_cast<uint8_t>(t >= 1 && t <= 3 ? 16 : rows);
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// One row tile's group sums against the set's four B tiles, into `part` [4][rows][16].
+inline void tile_sums(const uint16_t* a, int64_t lda, const uint16_t* tiles, float* part) {
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_zero(6);
+  _tile_zero(7);
+  _tile_loadd(0, a, lda * 2);
+  _tile_loadd(1, tiles, 64);
+  _tile_dpbf16ps(4, 0, 1);
+  _tile_loadd(2, tiles + 512, 64);
+  _tile_dpbf16ps(5, 0, 2);
+  _tile_loadd(3, tiles + 1024, 64);
+  _tile_dpbf16ps(6, 0, 3);
+  _tile_loadd(1, tiles + 1536, 64);
+  _tile_dpbf16ps(7, 0, 1);
+  _tile_stored(4, part, 64);
+  _tile_stored(5, part + 256, 64);
+  _tile_stored(6, part + 512, 64);
+  _tile_stored(7, part + 768, 64);
+}
+
+template <int64_t GB>
+void gemm_amx(const uint16_t* x, const uint8_t* packed, const float* bias, uint16_t* y,
+              int64_t M, int64_t N, int64_t K) {
+  const int64_t groups = K / kGroup, block_bytes = groups * GB;
+  const std::vector<float> xsum = group_sums(x, M, K);
+  // Past 16 rows every tile has 16: the last, short one is read from a copy padded with zero
+  // rows (a row's sums do not depend on the tile's other rows).
+  const int64_t tile_rows = std::min<int64_t>(M, 16), whole = M > 16 ? M / 16 * 16 : M;
+  std::vector<uint16_t> padded;
+  if (whole < M) {
+    padded.assign(16 * K, 0);
+    std::memcpy(padded.data(), x + whole * K, (M - whole) * K * sizeof(uint16_t));
+  }
+  const __m512i values = nibble_values();
+  // out[m][n] += scale_n P + min_n xsum for the tile's `rows` rows from `m0` (group g).
+  const auto fold = [&](const float* part, const V16* scale, const V16* mins, int64_t g,
+                        int64_t m0, int64_t rows, float* out) {
+    for (int64_t m = 0; m < rows; ++m) {
+      const V16 xs = v_set1(xsum[(m0 + m) * groups + g]);
+      float* o = out + m * kAmxSet * kRows;
+      for (int n = 0; n < kAmxSet; ++n) {
+        const V16 sum = v_fmadd(scale[n], v_load(part + 256 * n + 16 * m), v_load(o + n * kRows));
+        v_store(o + n * kRows, v_fmadd(mins[n], xs, sum));
+      }
+    }
+  };
+  // The set's group g as B tiles, with its scales and mins.
+  const auto make_tiles = [&](const uint8_t* first, int64_t g, uint16_t* tiles, V16* scale,
+                              V16* mins) {
+    for (int n = 0; n < kAmxSet; ++n) {
+      const uint8_t* group = first + n * block_bytes + g * GB;
+      group_tile(group, values, tiles + 512 * n);
+      scale[n] = group_meta<GB>(group, 0);
+      mins[n] = group_meta<GB>(group, 1);
+    }
+  };
+  parallel_chunks(N / kRows / kAmxSet, 1, [&](const auto& take) {
+    alignas(64) uint16_t tiles[2][kAmxSet * 512];
+    alignas(64) float part[2][kAmxSet * 256];
+    alignas(64) float out[kAmxPass * kAmxSet * kRows];
+    V16 scale[2][kAmxSet], mins[2][kAmxSet];
+    configure_int4_tiles(tile_rows);
+    for (int64_t set, end; take(set, end);) {
+      const uint8_t* first = packed + set * kAmxSet * block_bytes;
+      for (int64_t mb = 0; mb < M; mb += kAmxPass) {
+        const int64_t pass = std::min(kAmxPass, M - mb);
+        std::fill(out, out + pass * kAmxSet * kRows, 0.0f);
+        if (M <= 16) {  // one row tile: group g's tile sums run while g - 1's are folded in
+          for (int64_t g = 0; g < groups; ++g) {
+            const int i = g & 1;
+            make_tiles(first, g, tiles[i], scale[i], mins[i]);
+            tile_sums(x + g * kGroup, K, tiles[i], part[i]);
+            if (g > 0) fold(part[i ^ 1], scale[i ^ 1], mins[i ^ 1], g - 1, 0, M, out);
+          }
+          const int last = (groups - 1) & 1;
+          fold(part[last], scale[last], mins[last], groups - 1, 0, M, out);
+        } else {  // each group's B tiles serve every row tile of the pass
+          for (int64_t g = 0; g < groups; ++g) {
+            make_tiles(first, g, tiles[0], scale[0], mins[0]);
+            for (int64_t m0 = mb; m0 < mb + pass; m0 += 16) {
+              const uint16_t* a = m0 < whole ? x + m0 * K : padded.data();
+              tile_sums(a + g * kGroup, K, tiles[0], part[0]);
+              fold(part[0], scale[0], mins[0], g, m0, std::min<int64_t>(16, mb + pass - m0),
+                   out + (m0 - mb) * kAmxSet * kRows);
+            }
+          }
+        }
+        for (int64_t m = 0; m < pass; ++m)
+          for (int64_t n = 0; n < kAmxSet; ++n) {
+            const int64_t b = set * kAmxSet + n;
+            store_bf16(y + (mb + m) * N + b * kRows,
+                       with_bias(v_load(out + (m * kAmxSet + n) * kRows),
+                                 bias ? bias + b * kRows : nullptr));
+          }
+      }
+    }
+    _tile_release();
+  });
+}
+
+bool int4_amx_usable(int64_t N, int64_t K) {
+  return K % kGroup == 0 && N % (kRows * kAmxSet) == 0 && amx_permitted();
+}
+
+#else
+bool int4_amx_usable(int64_t, int64_t) { return false; }
+#endif  // __AMX_BF16__ && __AMX_TILE__
+
+#else
+bool int4_amx_usable(int64_t, int64_t) { return false; }
 #endif  // __AVX512BF16__
 
 at::Tensor gemm_int4(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
-                     const c10::optional<at::Tensor>& bias) {
+                     const c10::optional<at::Tensor>& bias, bool amx) {
 #if defined(__AVX512BF16__)
-  return with_group_bytes(packed, out_features, x.dim() > 0 ? x.size(-1) : 0, [&](auto bytes) {
+  const int64_t K = x.dim() > 0 ? x.size(-1) : 0;
+  TORCH_CHECK(!amx || int4_amx_usable(out_features, K),
+              "ladle_native.gemm_int4: no AMX path for this shape on this CPU");
+  return with_group_bytes(packed, out_features, K, [&](auto bytes) {
     constexpr int64_t GB = decltype(bytes)::value;
     return grouped_gemm("int4", x, packed, out_features, bias, kGroup, GB,
-                        [](const uint16_t* xp, const uint8_t* pp, const float* bp, uint16_t* yp,
-                           int64_t M, int64_t N, int64_t K) {
+                        [amx](const uint16_t* xp, const uint8_t* pp, const float* bp,
+                              uint16_t* yp, int64_t M, int64_t N, int64_t K) {
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+                          if (amx) return gemm_amx<GB>(xp, pp, bp, yp, M, N, K);
+#endif
                           if (M == 1)
                             gemv_int4<GB>(xp, pp, bp, yp, N, K);
                           else
@@ -303,7 +468,8 @@ at::Tensor gemm_int4_f32(const at::Tensor& x, const at::Tensor& packed, int64_t 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ladle_native, m) {
-  m.def("gemm_int4(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
+  m.def("gemm_int4(Tensor x, Tensor packed, int out_features, Tensor? bias, bool amx=False) -> Tensor");
+  m.def("int4_amx_usable(int n, int k) -> bool", &int4_amx_usable);
   m.def("gemm_int4_f32(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
 }
 

@@ -24,7 +24,7 @@
 namespace {
 
 // kF32 and kInt4F32 serve float32 stacks (gemm_f32, gemm_int4_f32), the others bf16 ones.
-enum LinearKind : int64_t { kBf16 = 0, kBf16Amx = 1, kInt4 = 2, kF32 = 3, kInt4F32 = 4 };
+enum LinearKind : int64_t { kBf16 = 0, kBf16Amx = 1, kInt4 = 2, kF32 = 3, kInt4F32 = 4, kInt4Amx = 5 };
 
 struct Linear {
   at::Tensor packed;
@@ -60,6 +60,8 @@ using GemmBf16 = at::Tensor(const at::Tensor&, const at::Tensor&, const c10::opt
                             bool);
 using GemmQuant = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t,
                              const c10::optional<at::Tensor>&);
+using GemmInt4 = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t,
+                            const c10::optional<at::Tensor>&, bool);
 using AddNorm = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
                                                    const at::Tensor&, double, double);
 using Unary = at::Tensor(const at::Tensor&);
@@ -80,7 +82,7 @@ struct Glue {
 struct Ops {
   c10::TypedOperatorHandle<GemmBf16> gemm_bf16 = op<GemmBf16>("ladle_native::gemm_bf16");
   c10::TypedOperatorHandle<Gemm> gemm_f32 = op<Gemm>("ladle_native::gemm_f32");
-  c10::TypedOperatorHandle<GemmQuant> gemm_int4 = op<GemmQuant>("ladle_native::gemm_int4");
+  c10::TypedOperatorHandle<GemmInt4> gemm_int4 = op<GemmInt4>("ladle_native::gemm_int4");
   c10::TypedOperatorHandle<GemmQuant> gemm_int4_f32 = op<GemmQuant>("ladle_native::gemm_int4_f32");
   Glue bf16{op<AddNorm>("ladle_native::add_rms_norm_bf16"), op<Unary>("ladle_native::silu_mul_bf16"),
             op<Rotary>("ladle_native::rotary_bf16_")};
@@ -101,9 +103,12 @@ at::Tensor linear(const Linear& l, const at::Tensor& x) {
   const Ops& o = ops();
   switch (l.kind) {
     case kInt4:
+    case kInt4Amx:
     case kInt4F32: {
-      const auto& gemm = l.kind == kInt4 ? o.gemm_int4 : o.gemm_int4_f32;
-      at::Tensor out = gemm.call(x, l.packed, l.out_features, c10::nullopt);
+      at::Tensor out = l.kind == kInt4F32
+                           ? o.gemm_int4_f32.call(x, l.packed, l.out_features, c10::nullopt)
+                           : o.gemm_int4.call(x, l.packed, l.out_features, c10::nullopt,
+                                              l.kind == kInt4Amx);
       return l.bias ? out + *l.bias : out;
     }
     case kF32:
@@ -119,7 +124,7 @@ Linear linear_from(const std::vector<at::Tensor>& t, size_t at_index, const int6
   if (t[at_index + 1].numel() > 0) l.bias = t[at_index + 1];
   l.kind = ints[0];
   l.out_features = ints[1];
-  TORCH_CHECK(l.kind >= kBf16 && l.kind <= kInt4F32, "unknown linear kind");
+  TORCH_CHECK(l.kind >= kBf16 && l.kind <= kInt4Amx, "unknown linear kind");
   return l;
 }
 
