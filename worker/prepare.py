@@ -1,9 +1,8 @@
 """`python -m worker.prepare`: the one-time work of a first start, done at `make install`.
 
-Builds Ladle's native kernels for this CPU (and times their prefetch level once) and
-converts the default model's GGUF into an HF directory, both inside the environment
-(`{sys.prefix}/share/ladle/`), where a worker with an
-empty cache (`LLM_CACHE_DIR`) finds them: its first start then skips ~20 s of compiling and
+Builds Ladle's native kernels for this CPU (and times their prefetch level and, with AMX, the
+int4 kernels once) and converts the default model's GGUF into an HF directory, both inside
+the environment (`{sys.prefix}/share/ladle/`), where a worker with an empty cache (`LLM_CACHE_DIR`) finds them: its first start then skips ~20 s of compiling and
 ~12 s of converting (docs/benchmarks.md, "Start-up"). Each part that fails says why and is
 left to the first start, as before; the command exits 0.
 """
@@ -35,7 +34,7 @@ def prepare_native() -> None:
         logger.warning("no C++ compiler: the native kernels are not built")
         return
     logger.info("native kernels: %s (%.1f s)", path, time.perf_counter() - started)
-    native.load()  # measures the prefetch level once, beside the build (`choose_prefetch_level`)
+    native.load()  # times the prefetch level and int4 kernels once, kept beside the build
 
 
 def prepare_model(ref: str) -> None:
