@@ -2,8 +2,9 @@
 
 Builds Ladle's native kernels for this CPU (and times their prefetch level and, with AMX, the
 int4 kernels once) and converts the default model's GGUF into an HF directory, both inside
-the environment (`{sys.prefix}/share/ladle/`), where a worker with an empty cache (`LLM_CACHE_DIR`) finds them: its first start then skips ~20 s of compiling and
-~12 s of converting (docs/benchmarks.md, "Start-up"). Each part that fails says why and is
+the environment (`{sys.prefix}/share/ladle/`), where a worker with an empty cache
+(`LLM_CACHE_DIR`) finds them: its first start then skips ~20 s of compiling and ~12 s of
+converting (docs/benchmarks.md, "Start-up"). Each part that fails says why and is
 left to the first start, as before; the command exits 0.
 """
 
