@@ -5,9 +5,10 @@ tools/server); `ensure_llama_server` downloads that sdist with pip, and builds o
 `llama-server` target with cmake (GGML_NATIVE, no curl) under `.cache/llama.cpp-<version>`
 (git-ignored): ~15 minutes on 2 idle cores, once. `running_llama_server` starts it on a spare
 127.0.0.1 port with parallel slots and its continuous batching, and yields the /v1 base URL.
-`llama_server_for_this_cpu` does both, and where the native build dies of SIGILL before it is
-ready (seen on a Xeon VM that lists amx_* flags), builds once more without AMX into
-`build-noamx` and serves that one.
+`llama_server_for_this_cpu` does both, and where the native build dies of SIGILL or SIGSEGV
+before it is ready (both seen on Xeon VMs that list amx_* flags: an AMX instruction refused,
+and a crash in ggml's AMX matmul), builds once more without AMX into `build-noamx` and serves
+that one.
 """
 
 from __future__ import annotations
@@ -45,8 +46,13 @@ class LlamaServerUnavailable(RuntimeError):
     """llama-server could not be built or started; the message says why."""
 
 
-class IllegalInstruction(LlamaServerUnavailable):
-    """The binary died of SIGILL before it was ready: built for an ISA this VM does not run."""
+class NativeBuildDied(LlamaServerUnavailable):
+    """The binary died of SIGILL or SIGSEGV before it was ready: its AMX code does not run on
+    this VM (an instruction refused, or ggml's AMX matmul crashing)."""
+
+
+# The signals a native build's AMX code died of before it was ready, on Xeon VMs.
+AMX_CRASHES = (signal.SIGILL, signal.SIGSEGV)
 
 
 def _run(argv: list[str], timeout_s: float, cwd: Path | None = None) -> None:
@@ -109,8 +115,8 @@ def running_llama_server(
         try:
             wait_ready(f"http://127.0.0.1:{port}/health", proc, ready_s, log_path)
         except RuntimeError as exc:
-            if proc.returncode == -signal.SIGILL:
-                raise IllegalInstruction(f"{binary}: {exc}") from exc
+            if proc.returncode in [-sig for sig in AMX_CRASHES]:
+                raise NativeBuildDied(f"{binary}: {exc}") from exc
             raise
         yield f"http://127.0.0.1:{port}/v1"
     finally:
@@ -121,12 +127,12 @@ def running_llama_server(
 def llama_server_for_this_cpu(
     gguf: Path, threads: int, slots: int, slot_context: int, cache: Path | None = None
 ) -> Iterator[str]:
-    """The native build served; where it dies of SIGILL, the build without AMX instead."""
+    """The native build served; where it dies of SIGILL or SIGSEGV, the build without AMX."""
     with contextlib.ExitStack() as stack:
         args = (gguf, threads, slots, slot_context)
         try:
             url = stack.enter_context(running_llama_server(ensure_llama_server(cache), *args))
-        except IllegalInstruction as exc:
+        except NativeBuildDied as exc:
             print(f"{exc}\nfalling back to a build without AMX", file=sys.stderr, flush=True)
             binary = ensure_llama_server(cache, without_amx=True)
             url = stack.enter_context(running_llama_server(binary, *args))

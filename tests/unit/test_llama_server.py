@@ -1,4 +1,5 @@
-"""The grid's llama-server falls back to a build without AMX where the native one dies of SIGILL."""
+"""The grid's llama-server falls back to a build without AMX where the native one dies of
+SIGILL or SIGSEGV before it is ready."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 from loadtest import llama_server
 
 DIES = "#!/bin/sh\nkill -ILL $$\n"
+CRASHES = "#!/bin/sh\nkill -SEGV $$\n"
 EXITS = "#!/bin/sh\nexit 3\n"
 # Answers /health on the port after --port, as llama-server does once its model is loaded.
 SERVES = f"""#!{sys.executable}
@@ -52,10 +54,11 @@ def serve(tmp_path: Path, asked: list[bool], monkeypatch: pytest.MonkeyPatch) ->
 
 
 @pytest.mark.skipif(os.name != "posix", reason="signals")
-def test_sigill_falls_back_to_the_build_without_amx(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("death", [DIES, CRASHES], ids=["sigill", "sigsegv"])
+def test_a_native_build_that_dies_falls_back_to_the_build_without_amx(
+    death: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    asked = fake_builds(tmp_path, DIES, SERVES)
+    asked = fake_builds(tmp_path, death, SERVES)
     url = serve(tmp_path, asked, monkeypatch)
     assert url.startswith("http://127.0.0.1:") and url.endswith("/v1")
     assert asked == [False, True]
@@ -75,7 +78,7 @@ def test_any_other_early_exit_is_reported_not_retried(
     asked = fake_builds(tmp_path, EXITS, SERVES)
     with pytest.raises(RuntimeError, match="exited with 3") as failure:
         serve(tmp_path, asked, monkeypatch)
-    assert not isinstance(failure.value, llama_server.IllegalInstruction)
+    assert not isinstance(failure.value, llama_server.NativeBuildDied)
     assert asked == [False]
 
 
