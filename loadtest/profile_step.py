@@ -4,7 +4,7 @@
         [--decode-threads N] [--context 128] [--steps 40] [--compile auto|on|off]
         [--linear-kernel auto|NAME]
         [--quantization none|int8|int4] [--native on|off] [--deterministic on|off]
-        [--ops] [--cprofile] [--json OUT]
+        [--int4-kernel measured|avx512|amx] [--ops] [--cprofile] [--json OUT]
 
 For each batch size B: B requests of `context` random token ids are prefilled, then the
 engine decodes `steps` steps with all B running. Reported per step (medians):
@@ -16,6 +16,8 @@ engine decodes `steps` steps with all B running. Reported per step (medians):
 - at B = 1, the share of the memory-bandwidth bound measured in the same run
   (`loadtest/bandwidth_bound.py`: weight bytes per token / streamed GB/s).
 
+`--int4-kernel` overrides, for this run, which int4 kernel `native.load` kept for the machine
+(`avx512`: `vdpbf16ps`; `amx`: tile sums), to time a step on each.
 `--ops` adds a torch.profiler table (top ops by self CPU time, op count per step);
 `--cprofile` a cProfile of the Python outside the forward.
 """
@@ -40,6 +42,7 @@ from shared.model_files import DEFAULT_MODEL_NAME
 from worker.engine.config import EngineConfig
 from worker.engine.core.sampling_params import SamplingParams
 from worker.engine.engine import LLMEngine
+from worker.layers import native
 
 
 class _Timed:
@@ -187,8 +190,16 @@ def main() -> None:
         "--deterministic", default="on", choices=["on", "off"], help="batch-invariant kernels"
     )
     parser.add_argument("--lm-head-quantization", default="none", choices=["auto", "none", "int8"])
+    parser.add_argument(
+        "--int4-kernel",
+        default="measured",
+        choices=["measured", "avx512", "amx"],
+        help="int4 on vdpbf16ps or AMX tiles (default: the one kept for this machine)",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    if args.int4_kernel != "measured" and native.load():
+        native.override_int4_amx(args.int4_kernel == "amx")
 
     config = EngineConfig(
         model=args.model,

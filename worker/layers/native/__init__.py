@@ -331,6 +331,12 @@ def choose_int4_amx(library: Path) -> bool:
     return kernel == "amx"
 
 
+def override_int4_amx(amx: bool) -> None:
+    """Use this int4 kernel from now on instead of the measured one: for a comparison run
+    (`loadtest.profile_step --int4-kernel`), before a model loads, never while serving."""
+    _state["int4_amx"] = amx
+
+
 def int4_amx_usable(out_features: int, in_features: int) -> bool:
     """Whether `gemm_int4(..., amx=True)` takes this shape here (AMX, whole sets of 64 outputs)."""
     return bf16() and bool(torch.ops.ladle_native.int4_amx_usable(out_features, in_features))
