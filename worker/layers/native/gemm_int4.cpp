@@ -300,34 +300,23 @@ void gemm_amx(const uint16_t* x, const uint8_t* packed, const float* bias, uint1
     }
   };
   parallel_chunks(N / kRows / kAmxSet, 1, [&](const auto& take) {
-    alignas(64) uint16_t tiles[2][kAmxSet * 512];
-    alignas(64) float part[2][kAmxSet * 256];
+    alignas(64) uint16_t tiles[kAmxSet * 512];
+    alignas(64) float part[kAmxSet * 256];
     alignas(64) float out[kAmxPass * kAmxSet * kRows];
-    V16 scale[2][kAmxSet], mins[2][kAmxSet];
+    V16 scale[kAmxSet], mins[kAmxSet];
     configure_int4_tiles(tile_rows);
     for (int64_t set, end; take(set, end);) {
       const uint8_t* first = packed + set * kAmxSet * block_bytes;
       for (int64_t mb = 0; mb < M; mb += kAmxPass) {
         const int64_t pass = std::min(kAmxPass, M - mb);
         std::fill(out, out + pass * kAmxSet * kRows, 0.0f);
-        if (M <= 16) {  // one row tile: group g's tile sums run while g - 1's are folded in
-          for (int64_t g = 0; g < groups; ++g) {
-            const int i = g & 1;
-            make_tiles(first, g, tiles[i], scale[i], mins[i]);
-            tile_sums(x + g * kGroup, K, tiles[i], part[i]);
-            if (g > 0) fold(part[i ^ 1], scale[i ^ 1], mins[i ^ 1], g - 1, 0, M, out);
-          }
-          const int last = (groups - 1) & 1;
-          fold(part[last], scale[last], mins[last], groups - 1, 0, M, out);
-        } else {  // each group's B tiles serve every row tile of the pass
-          for (int64_t g = 0; g < groups; ++g) {
-            make_tiles(first, g, tiles[0], scale[0], mins[0]);
-            for (int64_t m0 = mb; m0 < mb + pass; m0 += 16) {
-              const uint16_t* a = m0 < whole ? x + m0 * K : padded.data();
-              tile_sums(a + g * kGroup, K, tiles[0], part[0]);
-              fold(part[0], scale[0], mins[0], g, m0, std::min<int64_t>(16, mb + pass - m0),
-                   out + (m0 - mb) * kAmxSet * kRows);
-            }
+        for (int64_t g = 0; g < groups; ++g) {  // each group's B tiles serve every row tile
+          make_tiles(first, g, tiles, scale, mins);
+          for (int64_t m0 = mb; m0 < mb + pass; m0 += 16) {
+            const uint16_t* a = m0 < whole ? x + m0 * K : padded.data();
+            tile_sums(a + g * kGroup, K, tiles, part);
+            fold(part, scale, mins, g, m0, std::min<int64_t>(16, mb + pass - m0),
+                 out + (m0 - mb) * kAmxSet * kRows);
           }
         }
         for (int64_t m = 0; m < pass; ++m)
