@@ -4,7 +4,7 @@
         [--decode-threads N] [--context 128] [--steps 40] [--compile auto|on|off]
         [--linear-kernel auto|NAME]
         [--quantization none|int8|int4] [--native on|off] [--deterministic on|off]
-        [--int4-kernel measured|avx512|amx] [--ops] [--cprofile] [--json OUT]
+        [--int4-kernel auto|avx512|amx] [--ops] [--cprofile] [--json OUT]
 
 For each batch size B: B requests of `context` random token ids are prefilled, then the
 engine decodes `steps` steps with all B running. Reported per step (medians):
@@ -16,8 +16,8 @@ engine decodes `steps` steps with all B running. Reported per step (medians):
 - at B = 1, the share of the memory-bandwidth bound measured in the same run
   (`loadtest/bandwidth_bound.py`: weight bytes per token / streamed GB/s).
 
-`--int4-kernel` overrides, for this run, which int4 kernel `native.load` kept for the machine
-(`avx512`: `vdpbf16ps`; `amx`: tile sums), to time a step on each.
+`--int4-kernel` (`LLM_INT4_KERNEL`) overrides, for this run, which int4 kernel `native.load`
+kept for the machine (`avx512`: `vdpbf16ps`; `amx`: tile sums), to time a step on each.
 `--ops` adds a torch.profiler table (top ops by self CPU time, op count per step);
 `--cprofile` a cProfile of the Python outside the forward.
 """
@@ -42,7 +42,6 @@ from shared.model_files import DEFAULT_MODEL_NAME
 from worker.engine.config import EngineConfig
 from worker.engine.core.sampling_params import SamplingParams
 from worker.engine.engine import LLMEngine
-from worker.layers import native
 
 
 class _Timed:
@@ -192,14 +191,12 @@ def main() -> None:
     parser.add_argument("--lm-head-quantization", default="none", choices=["auto", "none", "int8"])
     parser.add_argument(
         "--int4-kernel",
-        default="measured",
-        choices=["measured", "avx512", "amx"],
-        help="int4 on vdpbf16ps or AMX tiles (default: the one kept for this machine)",
+        default="auto",
+        choices=["auto", "avx512", "amx"],
+        help="LLM_INT4_KERNEL: int4 on vdpbf16ps or AMX tiles (auto: the one timed faster)",
     )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    if args.int4_kernel != "measured" and native.load():
-        native.override_int4_amx(args.int4_kernel == "amx")
 
     config = EngineConfig(
         model=args.model,
@@ -214,6 +211,7 @@ def main() -> None:
         linear_kernel=args.linear_kernel,
         quantization=args.quantization,
         lm_head_quantization=args.lm_head_quantization,
+        int4_kernel=args.int4_kernel,
         native_kernels=args.native == "on",
         deterministic=args.deterministic == "on",
     )

@@ -92,6 +92,12 @@ class Settings(BaseSettings):
         description="matmul kernel: auto (timed per batch bucket at start), plain, prepacked, "
         "float32, native",
     )
+    int4_kernel: Literal["auto", "avx512", "amx"] = Field(
+        "auto",
+        description="int4 matmuls on a CPU with AMX: auto (the kernel timed faster over 1-256 "
+        "rows at install or first start), avx512 (fastest at one sequence), amx (tiles: fastest "
+        "from 4 sequences and in prefill)",
+    )
     native_kernels: bool = Field(
         True,
         description="Ladle's own C++ CPU kernels (bf16, int4 and float32 matmuls, paged "

@@ -227,6 +227,22 @@ def test_int4_kernel_is_measured_once_where_the_cpu_has_amx(tmp_path, monkeypatc
     assert native.int4_amx(960, 576) and not native.int4_amx(208, 576)  # 64 outputs a set
 
 
+def test_llm_int4_kernel_names_the_kernel_and_auto_brings_the_measured_one_back(monkeypatch):
+    from worker.layers.quant import Int4Kernel, quantize_int4
+
+    monkeypatch.setitem(native._state, "int4_amx", native._state.get("int4_amx"))  # put back
+    monkeypatch.setitem(native._state, "int4_amx_measured", True)
+    weight = quantize_int4(torch.randn(960, 576))
+    usable = native.int4_amx_usable(960, 576)
+    native.select_int4_kernel("avx512")
+    assert not Int4Kernel(weight, None).amx
+    native.select_int4_kernel("amx")
+    assert Int4Kernel(weight, None).amx == usable  # never where the CPU has no AMX kernel
+    monkeypatch.setitem(native._state, "int4_amx_measured", False)
+    native.select_int4_kernel("auto")
+    assert not Int4Kernel(weight, None).amx
+
+
 @bf16_only
 def test_int4_amx_is_refused_where_it_does_not_apply():
     from worker.layers.quant import quantize_int4

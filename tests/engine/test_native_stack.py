@@ -49,8 +49,8 @@ def _run(model_dir: Path, enabled: bool, monkeypatch, **settings: object) -> tup
     "family,settings",
     [
         ("llama", {"num_threads": 2}),
-        ("llama", {"num_threads": 1, "quantization": "int4", "int4_amx": False}),
-        ("llama", {"num_threads": 2, "quantization": "int4", "int4_amx": True}),
+        ("llama", {"num_threads": 1, "quantization": "int4", "int4_kernel": "avx512"}),
+        ("llama", {"num_threads": 2, "quantization": "int4", "int4_kernel": "amx"}),
         ("qwen2", {"num_threads": 2}),  # a bias on qkv
     ],
 )
@@ -59,17 +59,17 @@ def test_stack_gives_the_loops_answers(family, settings, dtype, tmp_path, monkey
     if dtype == "float32" and "quantization" in settings and native.bf16():
         pytest.skip("int4 computes on bf16 activations where the bf16 kernels are")
     settings = {**settings, "dtype": dtype}
-    if "int4_amx" in settings:  # either int4 kernel, whichever this machine measured faster
-        amx = settings.pop("int4_amx")
-        if amx and not native.int4_amx_usable(64, 128):
-            pytest.skip("no AMX int4 kernel on this CPU")
-        monkeypatch.setitem(native._state, "int4_amx", amx)
+    if settings.get("int4_kernel") == "amx" and not native.int4_amx_usable(64, 128):
+        pytest.skip("no AMX int4 kernel on this CPU")
+    monkeypatch.setitem(native._state, "int4_amx", native._state.get("int4_amx"))  # put back
     path = tiny_model_dir(family, tmp_path, hidden_size=128, intermediate_size=256)
     add_tiny_tokenizer(path)
     looped, none = _run(path, False, monkeypatch, **settings)
     stacked, stack = _run(path, True, monkeypatch, **settings)
     assert none is None and stack is not None  # the second run went through the stack
     assert stacked == looped
+    if "int4_kernel" in settings and dtype == "bfloat16":  # the kernel LLM_INT4_KERNEL named
+        assert native.int4_amx(64, 128) == (settings["int4_kernel"] == "amx")
 
 
 def test_a_model_that_does_not_qualify_keeps_the_loop(tmp_path, monkeypatch) -> None:

@@ -48,6 +48,7 @@ class EngineConfig:
     speculative_ngram_size: int = _setting("speculative_ngram_size")
     compile: str = _setting("compile")
     linear_kernel: str = _setting("linear_kernel")
+    int4_kernel: str = _setting("int4_kernel")
     native_kernels: bool = _setting("native_kernels")
     deterministic: bool = _setting("deterministic")
 

@@ -251,6 +251,7 @@ def build_executor(config: EngineConfig) -> TorchExecutor:
     device = "cuda" if config.device == "auto" and torch.cuda.is_available() else config.device
     dtype = torch.float32 if config.dtype == "float32" else torch.bfloat16  # auto: bf16 or none
     native.configure(_wants_native(config, device, dtype), config.cache_dir)
+    native.select_int4_kernel(config.int4_kernel)
     started = time.perf_counter()
     loaded = load_model(
         config.model,

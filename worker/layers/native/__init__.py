@@ -187,7 +187,7 @@ def load(cache_dir: str | None = None) -> bool:
             logger.info("native kernels %s %s (%.1f s)", how, path, time.perf_counter() - started)
             if loaded:
                 choose_prefetch_level(path)
-                _state["int4_amx"] = choose_int4_amx(path)
+                _state["int4_amx"] = _state["int4_amx_measured"] = choose_int4_amx(path)
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
             reason = f"build or load failed: {exc}"
     _state.update(loaded=loaded, reason=reason)
@@ -331,10 +331,14 @@ def choose_int4_amx(library: Path) -> bool:
     return kernel == "amx"
 
 
-def override_int4_amx(amx: bool) -> None:
-    """Use this int4 kernel from now on instead of the measured one: for a comparison run
-    (`loadtest.profile_step --int4-kernel`), before a model loads, never while serving."""
-    _state["int4_amx"] = amx
+def select_int4_kernel(name: str) -> None:
+    """The int4 kernel of the models loaded from now on (`LLM_INT4_KERNEL`): "auto" (the one
+    `choose_int4_amx` kept), "avx512" or "amx" (still only where `int4_amx_usable`). Set
+    before a model loads, never while it serves: a row must sum the same way all along."""
+    if name == "amx" and not int4_amx_usable(3072, 576):
+        logger.warning("LLM_INT4_KERNEL=amx: this CPU has no AMX int4 kernel; AVX-512 it is")
+    measured = bool(_state.get("int4_amx_measured"))
+    _state["int4_amx"] = measured if name == "auto" else name == "amx"
 
 
 def int4_amx_usable(out_features: int, in_features: int) -> bool:
