@@ -12,6 +12,8 @@
 
 #include <immintrin.h>
 
+#include "vec_bf16.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -179,5 +181,21 @@ inline __m512 with_bias(__m512 sum, const float* bias) {
 }
 
 #endif  // __AVX512F__
+
+#if defined(__AVX512BF16__)
+
+// `rows` rows of float32 sums for `blocks` blocks from block `first` ([row][block][16]) into
+// y's rows (N outputs apart) as bf16, + bias where there is one.
+inline void store_rows(const float* sums, int64_t rows, int64_t blocks, int64_t first,
+                       const float* bias, uint16_t* y, int64_t N) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t n = 0; n < blocks; ++n) {
+      const int64_t b = first + n;
+      store_bf16(y + r * N + b * kRows, with_bias(_mm512_loadu_ps(sums + (r * blocks + n) * kRows),
+                                                   bias ? bias + b * kRows : nullptr));
+    }
+}
+
+#endif  // __AVX512BF16__
 
 }  // namespace ladle

@@ -224,13 +224,7 @@ void strip_gemm(const uint16_t* x, const uint16_t* packed, const float* bias, ui
       for (int64_t m0 = 0; m0 < M; m0 += kStripRows) {
         const int64_t rows = std::min(kStripRows, M - m0);
         strip_rows(rows, strip, pairs, x + m0 * K, K, ahead, sums);
-        for (int64_t r = 0; r < rows; ++r)
-          for (int64_t n = 0; n < kStripBlocks; ++n) {
-            const int64_t b = s * kStripBlocks + n;
-            store_bf16(y + (m0 + r) * N + b * kRows,
-                       with_bias(_mm512_load_ps(sums + (r * kStripBlocks + n) * kRows),
-                                 bias ? bias + b * kRows : nullptr));
-          }
+        store_rows(sums, rows, kStripBlocks, s * kStripBlocks, bias, y + m0 * N, N);
       }
     }
   });

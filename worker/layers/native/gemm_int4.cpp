@@ -319,13 +319,7 @@ void gemm_amx(const uint16_t* x, const uint8_t* packed, const float* bias, uint1
                  out + (m0 - mb) * kAmxSet * kRows);
           }
         }
-        for (int64_t m = 0; m < pass; ++m)
-          for (int64_t n = 0; n < kAmxSet; ++n) {
-            const int64_t b = set * kAmxSet + n;
-            store_bf16(y + (mb + m) * N + b * kRows,
-                       with_bias(v_load(out + (m * kAmxSet + n) * kRows),
-                                 bias ? bias + b * kRows : nullptr));
-          }
+        store_rows(out, pass, kAmxSet, set * kAmxSet, bias, y + mb * N, N);
       }
     }
     _tile_release();
