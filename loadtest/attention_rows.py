@@ -4,7 +4,8 @@ rows (the batch-invariant way) and decode rows of many sequences.
     .venv/bin/python -m loadtest.attention_rows [--prefill 256 1024 2048] [--threads 1 2]
         [--decode 1 16 64] [--context 256] [--keys plain packed]
 
-Shapes are SmolLM2-135M's (9 query heads, 3 KV heads, head_dim 64, blocks of 16); bf16. A
+Shapes are SmolLM2-135M's (9 query heads, 3 KV heads, head_dim 64, blocks of 16); bf16 where
+the CPU has the bf16 kernels, else float32 (what the engine serves there). A
 prefill of L tokens is L rows over one block table with context lengths 1..L, against SDPA's
 causal attention over the same keys (flash attention on CPU); decode is B rows of B sequences
 of ~`context` cached tokens. `--keys`: the key cache plain, or packed as the engine's row
@@ -27,6 +28,10 @@ from worker.layers import native
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 
 
+def dtype() -> torch.dtype:
+    return torch.bfloat16 if native.bf16() else torch.float32
+
+
 def best_ms(fn: Callable[[], object], runs: int = 5) -> float:
     fn()
     best = float("inf")
@@ -40,12 +45,12 @@ def best_ms(fn: Callable[[], object], runs: int = 5) -> float:
 def prefill(length: int, packed: bool) -> tuple[float, float, float]:
     """(rows ms, SDPA ms, max |difference|) for one prompt of `length` tokens."""
     num_blocks = -(-length // BLOCK)
-    k_cache = torch.randn(KV_HEADS, num_blocks + 4, BLOCK, HEAD_DIM).bfloat16()
+    k_cache = torch.randn(KV_HEADS, num_blocks + 4, BLOCK, HEAD_DIM).to(dtype())
     v_cache = torch.randn_like(k_cache)
     order = torch.randperm(num_blocks + 4)[:num_blocks]
     tables = order.expand(length, num_blocks).contiguous()
     lens = torch.arange(1, length + 1)
-    q = torch.randn(length, HEADS, HEAD_DIM).bfloat16()
+    q = torch.randn(length, HEADS, HEAD_DIM).to(dtype())
     scale = HEAD_DIM**-0.5
     k = k_cache[:, order].reshape(KV_HEADS, -1, HEAD_DIM)[None, :, :length]
     v = v_cache[:, order].reshape(KV_HEADS, -1, HEAD_DIM)[None, :, :length]
@@ -67,11 +72,11 @@ def prefill(length: int, packed: bool) -> tuple[float, float, float]:
 
 def decode(batch: int, packed: bool, context: int = 256) -> float:
     num_blocks = -(-context // BLOCK)
-    k_cache = torch.randn(KV_HEADS, batch * num_blocks, BLOCK, HEAD_DIM).bfloat16()
+    k_cache = torch.randn(KV_HEADS, batch * num_blocks, BLOCK, HEAD_DIM).to(dtype())
     v_cache = torch.randn_like(k_cache)
     tables = torch.randperm(batch * num_blocks).view(batch, num_blocks)
     lens = context - torch.arange(batch)
-    q = torch.randn(batch, HEADS, HEAD_DIM).bfloat16()
+    q = torch.randn(batch, HEADS, HEAD_DIM).to(dtype())
     keys = native.pack_keys(k_cache) if packed else k_cache
     return best_ms(
         lambda: native.attention_rows(q, keys, v_cache, tables, lens, 0.125, packed_keys=packed),
@@ -79,14 +84,14 @@ def decode(batch: int, packed: bool, context: int = 256) -> float:
     )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prefill", type=int, nargs="+", default=[256, 1024, 2048])
     p.add_argument("--decode", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--threads", type=int, nargs="+", default=[1, os.cpu_count() or 1])
     p.add_argument("--context", type=int, default=256, help="cached tokens per decode row")
     p.add_argument("--keys", nargs="+", choices=["plain", "packed"], default=["plain", "packed"])
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if not native.load(None):
         raise SystemExit(f"native kernels unavailable: {native.status()}")
     torch.manual_seed(0)

@@ -33,9 +33,18 @@ def packed_layers(num_layers: int) -> list[tuple[torch.Tensor, int, int]]:
     return layers
 
 
-def one_pass(layers: list[tuple[torch.Tensor, int, int]], xs: dict[int, torch.Tensor]) -> None:
+def kernel() -> tuple[object, torch.dtype]:
+    """The int4 op decode runs here: on bf16 x with AVX512-BF16, else on float32 x (AVX2)."""
+    if native.bf16():
+        return torch.ops.ladle_native.gemm_int4, torch.bfloat16
+    return torch.ops.ladle_native.gemm_int4_f32, torch.float32
+
+
+def one_pass(
+    gemm: object, layers: list[tuple[torch.Tensor, int, int]], xs: dict[int, torch.Tensor]
+) -> None:
     for packed, n, k in layers:
-        torch.ops.ladle_native.gemm_int4(xs[k], packed, n, None)
+        gemm(xs[k], packed, n, None)
 
 
 def timed(fn, reps: int) -> float:  # noqa: ANN001 - any callable
@@ -56,12 +65,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"native kernels unavailable: {native.status()}")
         return 1
     layers = packed_layers(args.layers)
-    xs = {k: torch.randn(1, k).to(torch.bfloat16) for k in (576, 1536)}
+    gemm, dtype = kernel()
+    xs = {k: torch.randn(1, k).to(dtype) for k in (576, 1536)}
     total = sum(packed.numel() for packed, _, _ in layers)
     floats = [torch.randn(total // 4 // 8) for _ in range(8)]
     for threads in args.threads:
         torch.set_num_threads(threads)
-        seconds = timed(lambda: one_pass(layers, xs), args.reps)
+        seconds = timed(lambda: one_pass(gemm, layers, xs), args.reps)
         read = timed(lambda: [f.sum() for f in floats], args.reps)
         print(
             f"threads {threads}: {len(layers)} calls {seconds * 1000:.2f} ms, "
@@ -69,9 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             f"(torch.sum over as many bytes: {total / read / 1e9:.1f} GB/s)"
         )
         for packed, n, k in layers[: len(SHAPES)]:
-            alone = timed(
-                lambda p=packed, n=n, k=k: torch.ops.ladle_native.gemm_int4(xs[k], p, n, None), 500
-            )
+            alone = timed(lambda p=packed, n=n, k=k: gemm(xs[k], p, n, None), 500)
             print(
                 f"  {n}x{k} in cache: {alone * 1e6:.1f} us "
                 f"({packed.numel() / alone / 1e9:.1f} GB/s)"
