@@ -21,20 +21,7 @@ def test_int4_stream_times_the_kernel_this_cpu_decodes_with(capsys: pytest.Captu
 def test_attention_rows_compares_with_sdpa_in_the_engines_dtype(
     capsys: pytest.CaptureFixture,
 ) -> None:
-    attention_rows.main(
-        [
-            "--prefill",
-            "32",
-            "--decode",
-            "2",
-            "--threads",
-            "1",
-            "--keys",
-            "packed",
-            "--context",
-            "32",
-        ]
-    )
+    attention_rows.main("--prefill 32 --decode 2 --threads 1 --keys packed --context 32".split())
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 1 |")]
     assert len(rows) == 2
     error = float(rows[0].split("|")[-2])
