@@ -4,7 +4,8 @@
         [--decode-threads N] [--context 128] [--steps 40] [--compile auto|on|off]
         [--linear-kernel auto|NAME]
         [--quantization none|int8|int4] [--native on|off] [--deterministic on|off]
-        [--int4-kernel auto|avx512|amx] [--ops] [--cprofile] [--json OUT]
+        [--int4-kernel auto|avx512|amx] [--attention-kernel auto|avx512|amx] [--ops]
+        [--cprofile] [--json OUT]
 
 For each batch size B: B requests of `context` random token ids are prefilled, then the
 engine decodes `steps` steps with all B running. Reported per step (medians):
@@ -17,7 +18,8 @@ engine decodes `steps` steps with all B running. Reported per step (medians):
   (`loadtest/bandwidth_bound.py`: weight bytes per token / streamed GB/s).
 
 `--int4-kernel` (`LLM_INT4_KERNEL`) overrides, for this run, which int4 kernel `native.load`
-kept for the machine (`avx512`: `vdpbf16ps`; `amx`: tile sums), to time a step on each.
+kept for the machine (`avx512`: `vdpbf16ps`; `amx`: tile sums), to time a step on each;
+`--attention-kernel` (`LLM_ATTENTION_KERNEL`) likewise for bf16 attention (vectors or tiles).
 `--ops` adds a torch.profiler table (top ops by self CPU time, op count per step);
 `--cprofile` a cProfile of the Python outside the forward.
 """
@@ -195,6 +197,12 @@ def main() -> None:
         choices=["auto", "avx512", "amx"],
         help="LLM_INT4_KERNEL: int4 on vdpbf16ps or AMX tiles (auto: the one timed faster)",
     )
+    parser.add_argument(
+        "--attention-kernel",
+        default="auto",
+        choices=["auto", "avx512", "amx"],
+        help="LLM_ATTENTION_KERNEL: bf16 attention on vectors or AMX tiles (auto: timed)",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
@@ -212,6 +220,7 @@ def main() -> None:
         quantization=args.quantization,
         lm_head_quantization=args.lm_head_quantization,
         int4_kernel=args.int4_kernel,
+        attention_kernel=args.attention_kernel,
         native_kernels=args.native == "on",
         deterministic=args.deterministic == "on",
     )

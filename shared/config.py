@@ -98,6 +98,12 @@ class Settings(BaseSettings):
         "rows at install or first start), avx512 (fastest at one sequence), amx (tiles: fastest "
         "from 4 sequences and in prefill)",
     )
+    attention_kernel: Literal["auto", "avx512", "amx"] = Field(
+        "auto",
+        description="bf16 paged attention on a CPU with AMX: auto (the kernel timed faster "
+        "over decode and prefill at install or first start), avx512 (vectors), amx (tiles: "
+        "2-3x faster in prefill)",
+    )
     native_kernels: bool = Field(
         True,
         description="Ladle's own C++ CPU kernels (bf16, int4 and float32 matmuls, paged "

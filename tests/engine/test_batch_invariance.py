@@ -142,21 +142,26 @@ def test_grouped_int8_matmul_is_batch_invariant():
     assert_rows_invariant(kernel, _rand(576, seed=15), _rand(256, 576, seed=16))
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
+@pytest.mark.parametrize("layout", ["plain", "packed", "tiles"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_attention_row_is_batch_invariant(dtype, packed):
+def test_attention_row_is_batch_invariant(dtype, layout):
     """A query row over its own block table gives the same bits alone, among 1 to 255 other
-    rows of other lengths, or among the other rows of its own prefill (keys plain or packed),
-    on 1 to 3 threads."""
+    rows of other lengths, or among the other rows of its own prefill (keys plain or packed;
+    or on the AMX tiles, 16 rows and heads to a task), on 1 to 3 threads."""
+    from worker.layers import native
+
     if dtype == torch.bfloat16:
         require_native(bf16=True)
+    tiles, packed = layout == "tiles", layout != "plain"
+    if tiles and (dtype != torch.bfloat16 or not native.attention_tiles_usable()):
+        pytest.skip("the tile kernel: bf16 on a CPU with AMX")
     heads, kv_heads, head_dim, block_size, num_blocks = 9, 3, 64, 16, 48
     k_cache = _rand(kv_heads, num_blocks, block_size, head_dim, seed=13, dtype=dtype)
     if packed:
-        from worker.layers import native
-
         k_cache = native.pack_keys(k_cache)
     v_cache = _rand(kv_heads, num_blocks, block_size, head_dim, seed=14, dtype=dtype)
+    if tiles:
+        v_cache = native.pack_values(v_cache)
     rng = random.Random(15)
     table = rng.sample(range(num_blocks), 20)
     probe = _rand(heads, head_dim, seed=16, dtype=dtype)
@@ -180,6 +185,7 @@ def test_attention_row_is_batch_invariant(dtype, packed):
             torch.tensor(lens),
             head_dim**-0.5,
             packed_keys=packed,
+            tiles=tiles,
         )
         return out[at]
 

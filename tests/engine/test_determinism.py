@@ -1,7 +1,8 @@
 """Same request, same answer: a greedy and a seeded request give the same tokens, and the same
 logprobs bit for bit, alone, among 15 other requests, after a prefix-cache hit on their own
 prompt, with a tiny prefill chunk, after preemption, on 1 or 2 threads and with n-gram
-speculation, in bf16, int4 and float32 (the deterministic mode, `LLM_DETERMINISTIC`)."""
+speculation, in bf16 (attention on vectors or AMX tiles), int4 and float32 (the deterministic
+mode, `LLM_DETERMINISTIC`)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ _rng = random.Random(3)
 _PASSAGE = [_rng.randrange(3, 256) for _ in range(9)]
 PROBE = [_rng.randrange(3, 256) for _ in range(21)] + _PASSAGE * 3
 MODES = {
-    "bf16": {"dtype": "bfloat16"},
+    "bf16": {"dtype": "bfloat16", "attention_kernel": "avx512"},
+    "bf16, attention on AMX tiles": {"dtype": "bfloat16", "attention_kernel": "amx"},
     "int4": {"dtype": "bfloat16", "quantization": "int4"},
     "int4, int8 lm_head": {
         "dtype": "bfloat16",
@@ -79,12 +81,18 @@ def test_same_request_same_answer_in_every_situation(mode: str, model_dir: Path)
         require_native(bf16=True)
     if "lm_head_quantization" in settings and not native.int8_packable(16, 32):
         pytest.skip("the int8 kernel needs AVX512-VNNI")
+    tiles = settings.get("attention_kernel") == "amx"
+    if tiles and not native.attention_tiles_usable():
+        pytest.skip("the tile attention kernel needs AMX")
 
     def engine(**extra: object):
         built = make_engine(model_dir, **{**settings, **extra})
         assert built.executor.deterministic, built.executor.deterministic_reason
         if "lm_head_quantization" in settings:  # the mode must really run the int8 kernel
             assert built.executor.loaded.model.lm_head.quantized.name == "int8-native"
+        if "attention_kernel" in settings:  # and the attention kernel it names
+            layers = [m for m in built.executor.loaded.model.modules() if hasattr(m, "tiles")]
+            assert layers and all(layer.tiles == tiles for layer in layers)
         return built
 
     base = engine()

@@ -438,12 +438,22 @@ def _tolerance(dtype: torch.dtype) -> dict:
     return dict(rtol=2**-7, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
 
 
-# the row kernel's two key layouts: plain, and packed (what the engine's row attention uses)
-PACKED = [pytest.param(False, id="plain"), pytest.param(True, id="packed")]
+# the row kernel's layouts: keys plain, keys packed (what the engine's row attention uses),
+# and the AMX tile kernel's (keys and values packed)
+PACKED = [pytest.param("plain"), pytest.param("packed"), pytest.param("tiles")]
 
 
-def _keys(k_cache: torch.Tensor, packed: bool) -> torch.Tensor:
-    return native.pack_keys(k_cache) if packed else k_cache
+def _caches(k_cache: torch.Tensor, v_cache: torch.Tensor, layout: str) -> tuple:
+    """(keys, values, kernel arguments) for one layout; skips the tiles where they don't run."""
+    bf16 = k_cache.dtype == torch.bfloat16
+    if layout == "tiles" and not (bf16 and native.attention_tiles_usable()):
+        pytest.skip("the tile kernel: bf16 on a CPU with AMX")
+    if layout == "plain":
+        return k_cache, v_cache, {}
+    keys = native.pack_keys(k_cache)
+    if layout == "packed":
+        return keys, v_cache, {"packed_keys": True}
+    return keys, native.pack_values(v_cache), {"packed_keys": True, "tiles": True}
 
 
 @pytest.mark.parametrize("packed", PACKED)
@@ -452,14 +462,9 @@ def _keys(k_cache: torch.Tensor, packed: bool) -> torch.Tensor:
 def test_paged_decode_matches_eager_attention(heads, kv_heads, head_dim, dtype, packed):
     q, k_cache, v_cache, meta = _decode_case(7, heads, kv_heads, head_dim, head_dim, dtype)
     scale = head_dim**-0.5
+    keys, values, layout = _caches(k_cache, v_cache, packed)
     got = native.attention_rows(
-        q,
-        _keys(k_cache, packed),
-        v_cache,
-        meta.decode_block_tables,
-        meta.decode_context_lens,
-        scale,
-        packed_keys=packed,
+        q, keys, values, meta.decode_block_tables, meta.decode_context_lens, scale, **layout
     )
     # float32 reference over exactly each row's positions
     for row, length in enumerate(meta.decode_context_lens.tolist()):
@@ -483,16 +488,16 @@ def test_paged_decode_matches_eager_attention(heads, kv_heads, head_dim, dtype, 
 def test_paged_decode_with_a_window_matches_eager_attention(window, dtype, packed):
     q, k_cache, v_cache, meta = _decode_case(7, 8, 2, 64, window, dtype)
     options = AttentionOptions(0.125, window=window)
-    keys = _keys(k_cache, packed)
+    keys, values, layout = _caches(k_cache, v_cache, packed)
     got = native.attention_rows(
         q,
         keys,
-        v_cache,
+        values,
         meta.decode_block_tables,
         meta.decode_context_lens,
         options.scale,
         meta.decode_starts(window),
-        packed_keys=packed,
+        **layout,
     )
     eager = _decode_eager(q, k_cache, v_cache, meta, options)
     torch.testing.assert_close(got.float(), eager.float(), rtol=0.05, atol=0.05)
@@ -503,12 +508,12 @@ def test_paged_decode_with_a_window_matches_eager_attention(window, dtype, packe
     alone = native.attention_rows(
         q[row : row + 1],
         keys,
-        v_cache,
+        values,
         table,
         torch.tensor([length]),
         0.125,
         torch.tensor([start]),
-        packed_keys=packed,
+        **layout,
     )
     assert torch.equal(alone[0], got[row])
 
@@ -521,16 +526,17 @@ def test_paged_decode_with_a_softcap_matches_float32(softcap, window, dtype, pac
     q, k_cache, v_cache, meta = _decode_case(7, heads, kv_heads, head_dim, int(softcap), dtype)
     q = q * 4  # scores of several units, where tanh's cap bends them
     starts = meta.decode_starts(window)
+    keys, values, layout = _caches(k_cache, v_cache, packed)
     attend = functools.partial(
         native.attention_rows,
         q,
-        _keys(k_cache, packed),
-        v_cache,
+        keys,
+        values,
         meta.decode_block_tables,
         meta.decode_context_lens,
         scale,
         starts,
-        packed_keys=packed,
+        **layout,
     )
     got = attend(softcap=softcap)
     for row, length in enumerate(meta.decode_context_lens.tolist()):
@@ -596,6 +602,14 @@ def test_write_kv_equals_index_copy(dtype):
     with pytest.raises(RuntimeError, match="multiple of 16"):
         odd = _rand(dtype, 3, 10, 8, 64)
         torch.ops.ladle_native.write_kv(k, v, odd, odd.clone(), slots, True)
+    # packed values (the tile kernel's layout): bf16 only
+    packed_v = native.pack_values(_rand(dtype, 3, 10, 16, 64, seed=5))
+    if dtype == torch.bfloat16:
+        torch.ops.ladle_native.write_kv(k, v, packed_k, packed_v, slots, True, True)
+        assert torch.equal(packed_v, native.pack_values(expected_v))
+    else:
+        with pytest.raises(RuntimeError, match="packed values need bf16"):
+            torch.ops.ladle_native.write_kv(k, v, packed_k, packed_v, slots, True, True)
 
 
 # the sum of squares (and exp) run in another order than eager's: bf16 results at most one

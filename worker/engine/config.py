@@ -49,6 +49,7 @@ class EngineConfig:
     compile: str = _setting("compile")
     linear_kernel: str = _setting("linear_kernel")
     int4_kernel: str = _setting("int4_kernel")
+    attention_kernel: str = _setting("attention_kernel")
     native_kernels: bool = _setting("native_kernels")
     deterministic: bool = _setting("deterministic")
 

@@ -252,6 +252,7 @@ def build_executor(config: EngineConfig) -> TorchExecutor:
     dtype = torch.float32 if config.dtype == "float32" else torch.bfloat16  # auto: bf16 or none
     native.configure(_wants_native(config, device, dtype), config.cache_dir)
     native.select_int4_kernel(config.int4_kernel)
+    native.select_attention_kernel(config.attention_kernel)
     started = time.perf_counter()
     loaded = load_model(
         config.model,

@@ -14,6 +14,7 @@ from worker.engine.core.outputs import ModelRunnerOutput, SampledToken, Schedule
 from worker.engine.core.request import Request
 from worker.engine.cuda_graphs import CudaGraphBackend, DecodeGraphs, GraphCaptureError
 from worker.engine.kv_cache import KVCache, allocate_kv_cache, bind_kv_cache, window_layers
+from worker.layers import native
 from worker.layers.attention import PagedAttention
 from worker.layers.changes import note_change
 from worker.layers.context import set_attention_metadata
@@ -96,6 +97,8 @@ class ModelRunner:
             for layer in self.model.modules():
                 if isinstance(layer, PagedAttention):
                     layer.packed_keys = True
+                    # bf16 on the AMX tiles where `native` kept them (every row, all along)
+                    layer.tiles = native.attention_tiles() and layer.k_cache.dtype == torch.bfloat16
             note_change()
         if self.native_forward or self.row_attention:
             compile_mode = "off"

@@ -46,6 +46,7 @@ class PagedAttention(nn.Module):
         self.native_rows = False  # rows on the native kernel: chosen at `bind`
         # keys packed for the row kernel (every row of every step on it: the runner's choice)
         self.packed_keys = False
+        self.tiles = False  # on the AMX tiles (packed keys, bf16): the runner's choice too
         self.local_pool = False  # a sliding-window layer with a KV pool of its own
         # This layer's handle for the custom op, as a graph input (see `Linear`); set by bind.
         self.register_buffer("layer_id", None, persistent=False)
@@ -76,6 +77,7 @@ class PagedAttention(nn.Module):
             self.softcap,
             self.local_pool,
             self.packed_keys,
+            self.tiles,
         )
 
 
@@ -89,6 +91,7 @@ class AttentionOptions:
     softcap: float | None = None
     local_pool: bool = False
     packed_keys: bool = False  # the row kernel's layout: no other path reads such a cache
+    tiles: bool = False  # the row kernel on the AMX tiles, over packed values too
 
 
 def paged_attention(
@@ -115,7 +118,7 @@ def paged_attention(
     v_slots = v_cache.view(num_kv_heads, -1, head_dim)
     if options.native_rows:
         torch.ops.ladle_native.write_kv(
-            k, v, k_cache, v_cache, meta.slot_mapping, options.packed_keys
+            k, v, k_cache, v_cache, meta.slot_mapping, options.packed_keys, options.tiles
         )
     else:
         k_slots.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
@@ -190,6 +193,7 @@ def _decode(
             meta.decode_starts(options.window),
             options.softcap,
             options.packed_keys,
+            options.tiles,
         )
     if options.packed_keys:
         raise RuntimeError("packed keys are read by the row kernel alone")

@@ -106,11 +106,11 @@ def build_stack(layers: list[Any]) -> NativeStack | None:
         tensors.extend(parts[0])
         ints.extend(parts[1])
     tensors += [rotary.cos_cache, rotary.sin_cache]
-    packed = {layer.self_attn.attn.packed_keys for layer in layers}
-    if len(packed) != 1:
+    layouts = {(layer.self_attn.attn.packed_keys, layer.self_attn.attn.tiles) for layer in layers}
+    if len(layouts) != 1:
         return None
     handle = torch.ops.ladle_native.stack_create(
-        tensors, ints, *shape[:3], eps, shape[3], packed.pop()
+        tensors, ints, *shape[:3], eps, shape[3], *layouts.pop()
     )
     return NativeStack(int(handle))
 

@@ -188,6 +188,8 @@ def load(cache_dir: str | None = None) -> bool:
             if loaded:
                 choose_prefetch_level(path)
                 _state["int4_amx"] = _state["int4_amx_measured"] = choose_int4_amx(path)
+                tiles = choose_attention_tiles(path)
+                _state["attention_tiles"] = _state["attention_tiles_measured"] = tiles
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
             reason = f"build or load failed: {exc}"
     _state.update(loaded=loaded, reason=reason)
@@ -311,11 +313,8 @@ def choose_int4_amx(library: Path) -> bool:
     except RuntimeError as exc:  # never worth losing the kernels over
         logger.warning("int4 kernels not timed (%s): AVX-512", exc)
         return False
-    cost = {
-        name: sum(t / min(seconds["avx512"][rows], seconds["amx"][rows]) for rows, t in by.items())
-        for name, by in seconds.items()
-    }
-    kernel = min(sorted(cost), key=cost.__getitem__)
+    cost = _relative_costs(seconds)
+    kernel = _least_relative(seconds)
     logger.info(
         "int4 on %s: relative time summed over %s rows %.2f (AVX-512) and %.2f (AMX) (%.2f s)",
         kernel,
@@ -450,13 +449,132 @@ def attention_rows(
     starts: torch.Tensor | None = None,
     softcap: float | None = None,
     packed_keys: bool = False,
+    tiles: bool = False,
 ) -> torch.Tensor:
     """`ladle_native.paged_attention_rows`: each row over positions [start, context_len)
     of its block table (start 0 without `starts`), scores soft-capped where `softcap`;
-    `packed_keys`: k_cache holds its keys packed (see `pack_keys`)."""
+    `packed_keys`: k_cache holds its keys packed (see `pack_keys`); `tiles`: on the AMX
+    tiles (bf16, packed keys and values (`pack_values`), `attention_tiles_usable`), which
+    sum in another order."""
     return torch.ops.ladle_native.paged_attention_rows(
-        q, k_cache, v_cache, tables, context_lens, scale, starts, softcap or 0.0, packed_keys
+        q, k_cache, v_cache, tables, context_lens, scale, starts, softcap or 0.0, packed_keys, tiles
     )
+
+
+def attention_tiles_usable() -> bool:
+    """Whether `attention_rows(..., tiles=True)` runs here (AVX512-BF16 and AMX)."""
+    return bf16() and bool(torch.ops.ladle_native.attention_tiles_usable())
+
+
+# What the attention kernels are timed at (the default model's heads, 16-position blocks):
+# (rows, cached positions per row, one sequence's prefill or separate sequences' decode).
+ATTENTION_PROBES = ((1, 512, False), (16, 512, False), (512, 512, True))
+
+
+def measure_attention_kernels(rounds: int = 5) -> dict[str, dict[str, float]]:
+    """Median seconds per probe (`ATTENTION_PROBES`) of the row attention on vectors
+    ("avx512") and on the AMX tiles ("amx"), the two alternating, for
+    `choose_attention_tiles`."""
+    heads, kv_heads, dim, block = 9, 3, 64, 16
+    blocks = 16 * 512 // block
+    # (the values' layout does not change the time: the tiles read them packed)
+    k_cache = pack_keys(torch.randn(kv_heads, blocks, block, dim).to(torch.bfloat16))
+    v_cache = torch.randn(kv_heads, blocks, block, dim).to(torch.bfloat16)
+    cases = {}
+    for rows, context, prefill in ATTENTION_PROBES:
+        per_row = context // block
+        if prefill:
+            tables = torch.arange(per_row).repeat(rows, 1)
+            lens = torch.arange(context - rows + 1, context + 1)
+        else:
+            tables = torch.arange(rows * per_row).view(rows, per_row)
+            lens = torch.full((rows,), context)
+        q = torch.randn(rows, heads, dim).to(torch.bfloat16)
+        cases[f"{'prefill' if prefill else 'decode'} {rows}x{context}"] = (q, tables, lens)
+    times: dict[str, dict[str, list[float]]] = {"avx512": {}, "amx": {}}
+    for round_ in range(rounds + 1):
+        for name, (q, tables, lens) in cases.items():
+            for kernel in times:
+                repeats = 2 if name.startswith("prefill") else 20
+                started = time.perf_counter()
+                for _ in range(repeats):
+                    attention_rows(
+                        q, k_cache, v_cache, tables, lens, 0.125, None, None, True, kernel == "amx"
+                    )
+                if round_:  # the first round warms up
+                    times[kernel].setdefault(name, []).append(time.perf_counter() - started)
+    return {
+        kernel: {name: sorted(t)[len(t) // 2] for name, t in by_case.items()}
+        for kernel, by_case in times.items()
+    }
+
+
+def choose_attention_tiles(library: Path) -> bool:
+    """Whether bf16 row attention runs on the AMX tiles here (for every row: the two kernels
+    sum in different orders). Where the CPU has them, both are timed once per machine at
+    `ATTENTION_PROBES` and the one whose times, each relative to that probe's faster, add up
+    least is kept beside the library."""
+    ops = torch.ops.ladle_native
+    if not ops.available() or not ops.attention_tiles_usable():
+        return False
+    record = library.with_name(f"{library.stem}.attention.json")
+    try:
+        return json.loads(record.read_text())["kernel"] == "amx"
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    started = time.perf_counter()
+    try:
+        seconds = measure_attention_kernels()
+    except RuntimeError as exc:  # never worth losing the kernels over
+        logger.warning("attention kernels not timed (%s): AVX-512", exc)
+        return False
+    kernel = _least_relative(seconds)
+    logger.info(
+        "attention on %s: %s (%.2f s)",
+        kernel,
+        ", ".join(
+            f"{case} {seconds['avx512'][case] * 1e3:.2f} / {seconds['amx'][case] * 1e3:.2f} ms"
+            for case in seconds["avx512"]
+        ),
+        time.perf_counter() - started,
+    )
+    try:
+        record.write_text(json.dumps({"kernel": kernel, "seconds": seconds}))
+    except OSError:
+        pass  # a read-only install: measured again next start
+    return kernel == "amx"
+
+
+def _relative_costs(seconds: dict[str, dict]) -> dict[str, float]:
+    """Per kernel, its times summed, each relative to the fastest kernel at that probe."""
+    return {
+        name: sum(t / min(by[probe] for by in seconds.values()) for probe, t in by_probe.items())
+        for name, by_probe in seconds.items()
+    }
+
+
+def _least_relative(seconds: dict[str, dict]) -> str:
+    """The kernel of the least `_relative_costs`."""
+    cost = _relative_costs(seconds)
+    return min(sorted(cost), key=cost.__getitem__)
+
+
+def select_attention_kernel(name: str) -> None:
+    """The row attention kernel of the models loaded from now on (`LLM_ATTENTION_KERNEL`):
+    "auto" (the one `choose_attention_tiles` kept), "avx512" or "amx" (still only where
+    `attention_tiles_usable`). Set before a model loads: a row must sum the same way all
+    along."""
+    if name == "amx" and not attention_tiles_usable():
+        logger.warning("LLM_ATTENTION_KERNEL=amx: this CPU has no AMX; AVX-512 it is")
+    measured = bool(_state.get("attention_tiles_measured"))
+    _state["attention_tiles"] = (measured if name == "auto" else name == "amx") and (
+        attention_tiles_usable()
+    )
+
+
+def attention_tiles() -> bool:
+    """Whether bf16 row attention over packed keys runs on the AMX tiles here."""
+    return bool(_state.get("attention_tiles"))
 
 
 def pack_keys(k_cache: torch.Tensor) -> torch.Tensor:
@@ -468,6 +586,16 @@ def pack_keys(k_cache: torch.Tensor) -> torch.Tensor:
     step = 2 if k_cache.dtype == torch.bfloat16 else 1
     runs = k_cache.reshape(hkv, blocks, bs // 16, 16, d // step, step)
     return runs.permute(0, 1, 2, 4, 3, 5).contiguous().view(hkv, blocks, bs, d)
+
+
+def pack_values(v_cache: torch.Tensor) -> torch.Tensor:
+    """A plain bf16 value cache [Hkv, blocks, block_size, D] laid out as the tile kernel's
+    packed values (attention.cpp): per run of 16 positions, [D/16][8 position pairs][16
+    features][2]. Same shape; for tests and benchmarks, the engine writes them directly
+    (`write_kv(..., packed_values=True)`)."""
+    hkv, blocks, bs, d = v_cache.shape
+    runs = v_cache.reshape(hkv, blocks, bs // 16, 8, 2, d // 16, 16)
+    return runs.permute(0, 1, 2, 5, 3, 6, 4).contiguous().view(hkv, blocks, bs, d)
 
 
 def amx_usable(out_features: int, in_features: int) -> bool:

@@ -35,9 +35,12 @@
 
 #include <immintrin.h>
 
+#include "amx.h"
 #include "gemm.h"
 #include "vec16.h"
 
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -395,6 +398,304 @@ void attend_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
 
 #endif  // LADLE_V16
 
+#if defined(LADLE_V16) && defined(__AVX512BF16__) && defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#define LADLE_ATTENTION_TILES 1
+
+// Attention on the AMX tiles (`tiles=True`; bf16, packed keys and packed values). Up to 16
+// (row, query head) pairs of one sequence and KV head share a task: their queries are one A
+// tile, and a run of 16 packed keys already is B tiles ([D/2][16][2], 32 features each), so a
+// run's scores for all pairs are D/32 `tdpbf16ps`. Each pair's scores over its own positions
+// are then scaled, capped and exponentiated as in `attend`, and the value sums are tiles again:
+// a pair's A rows are its 16 weights of a run rounded to bf16 (hi) and the rest rounded again
+// (lo), so the float32 weights keep ~16 bits, times the run's packed values, a B tile per 16
+// features (position pairs interleaved, as `write_kv` lays them out with `packed_values`).
+// Weights outside a pair's positions are zeros, and so are the values past the sequence's
+// last position (a copy of that run), so a pair's sums hold its own terms only, in an order
+// fixed by absolute position: a (row, head)'s result never depends on the other pairs of its
+// task, which lets decode rows and prefill rows share the kernel. It sums in other orders than
+// the vector kernel, so a machine runs one or the other for every row.
+//
+// Packed values (`packed_values`): within each block every run of 16 positions keeps its
+// values as [D/16 chunks][8 position pairs][16 features][2 positions], one chunk a B tile.
+constexpr int kTilePairs = 16;
+constexpr int kValueTiles = 4;        // C tiles tmm3, tmm5..tmm7: value sums of 16 features
+constexpr int64_t kKeySlice = 16 * 32;  // a run's keys for 32 features: 16 lines of 32 bf16
+constexpr int64_t kValueChunk = 8 * 32;  // a run's values for 16 features: 8 lines of 32 bf16
+
+// Tiles for `rows` pairs (1..16): tmm0, tmm1 the weights hi and lo (rows x 16 positions);
+// tmm2 8 position pairs of values; tmm4 16 keys (16 x 64 bytes); tmm3 queries, tmm5 and tmm6
+// scores, then tmm3, tmm5..tmm7 value sums (rows x 16 float32). A configuration is loaded only
+// when the row count changes (a step's decode rows all have their G heads).
+inline void configure_attention_tiles(int rows, int& configured) {
+  if (rows == configured) return;
+  // static: gcc dropped the stores of a local configuration whose only reader is `ldtilecfg`
+  static const std::array<TileConfig, kTilePairs + 1> configs = [] {
+    std::array<TileConfig, kTilePairs + 1> all{};
+    for (int m = 1; m <= kTilePairs; ++m)
+      for (int t = 0; t < 8; ++t) {
+        all[m].rows[t] = static_cast<uint8_t>(t == 2 ? 8 : t == 4 ? 16 : m);
+        all[m].colsb[t] = t < 2 ? 32 : 64;
+      }
+    return all;
+  }();
+  _tile_loadconfig(&configs[rows]);
+  configured = rows;
+}
+
+struct TilePair {
+  const uint16_t* q;  // D bf16
+  uint16_t* out;      // D bf16
+  int64_t first, end;
+};
+
+struct TileScratch {
+  std::vector<uint16_t> q;        // [16][D] the pairs' queries
+  std::vector<float> scores;      // [16][span]: scores, then weights
+  std::vector<uint16_t> weights;  // [runs][hi, lo][16 pairs][16 positions]
+  std::vector<uint16_t> tail;     // the last run's values, zeros past the sequence
+  int configured = 0;             // the rows the tiles are configured for (0: none yet)
+  alignas(64) float sums[kValueTiles][16][16];
+};
+
+// Scores of the 16 queries (`q`, [16][D]) for runs [lo, hi) into scores[16][span]: per run,
+// D/32 slices of the queries (tmm3) times the run's key slices (tmm4), two runs' sums in
+// flight (tmm5, tmm6).
+template <int D>
+void tile_scores(const uint16_t* q, const uint16_t* keys_base, const int64_t* offs, int64_t lo,
+                 int64_t hi, float* scores, int64_t span) {
+  int64_t run = lo;
+  for (; run + 16 < hi; run += 32) {
+    const uint16_t* a = keys_base + offs[run];
+    const uint16_t* b = keys_base + offs[run + 16];
+    _tile_zero(5);
+    _tile_zero(6);
+    for (int i = 0; i < D / 32; ++i) {
+      _tile_loadd(3, q + 32 * i, D * 2);
+      _tile_loadd(4, a + i * kKeySlice, 64);
+      _tile_dpbf16ps(5, 3, 4);
+      _tile_loadd(4, b + i * kKeySlice, 64);
+      _tile_dpbf16ps(6, 3, 4);
+    }
+    _tile_stored(5, scores + (run - lo), span * 4);
+    _tile_stored(6, scores + (run + 16 - lo), span * 4);
+  }
+  if (run < hi) {
+    const uint16_t* a = keys_base + offs[run];
+    _tile_zero(5);
+    for (int i = 0; i < D / 32; ++i) {
+      _tile_loadd(3, q + 32 * i, D * 2);
+      _tile_loadd(4, a + i * kKeySlice, 64);
+      _tile_dpbf16ps(5, 3, 4);
+    }
+    _tile_stored(5, scores + (run - lo), span * 4);
+  }
+}
+
+// The run of packed values at `run` with positions from `valid` on zeroed, into `out`.
+inline void zeroed_tail(const uint16_t* run, int64_t D, int64_t valid, uint16_t* out) {
+  // a line holds positions 2k (even bf16) and 2k + 1 (odd) of 16 features
+  const __mmask32 even = 0x55555555u;
+  for (int64_t line = 0; line < D / 16 * 8; ++line) {
+    const int64_t k = line % 8;
+    const __mmask32 keep = 2 * k + 1 < valid ? ~0u : 2 * k < valid ? even : 0u;
+    _mm512_storeu_si512(out + line * 32, _mm512_maskz_loadu_epi16(keep, run + line * 32));
+  }
+}
+
+// C tiles (tmm3, tmm5, tmm6, tmm7)[c] for c < N: every run's weights (hi tmm0, lo tmm1) times its value chunks
+// c0 + c (tmm2), hi then lo.
+template <int N>
+void value_sums(const uint16_t* weights, const uint16_t* values_base, const int64_t* offs,
+                int64_t lo, int64_t hi, int64_t end, int64_t D, int c0, TileScratch& s) {
+// (gcc's tile intrinsics paste the tile's number into the assembly: literals only)
+#define LADLE_TILE(i, ...) if constexpr (N > (i)) { __VA_ARGS__; }
+#define LADLE_ALL(M) M(0, 3) M(1, 5) M(2, 6) M(3, 7)
+#define LADLE_ZERO(i, t) LADLE_TILE(i, _tile_zero(t))
+#define LADLE_STEP(i, t)                                              \
+  LADLE_TILE(i, _tile_loadd(2, vals + (c0 + (i)) * kValueChunk, 64); \
+             _tile_dpbf16ps(t, 0, 2); _tile_dpbf16ps(t, 1, 2))
+#define LADLE_STORE(i, t) LADLE_TILE(i, _tile_stored(t, s.sums[i], 64))
+  LADLE_ALL(LADLE_ZERO)
+  for (int64_t run = lo; run < hi; run += 16) {
+    const uint16_t* vals = values_base + offs[run];
+    if (end - run < 16) {
+      s.tail.resize(static_cast<size_t>(16) * D);
+      zeroed_tail(vals, D, end - run, s.tail.data());
+      vals = s.tail.data();
+    }
+    const uint16_t* w = weights + (run - lo) * 2 * kTilePairs;  // [hi, lo][16][16] a run
+    _tile_loadd(0, w, 32);
+    _tile_loadd(1, w + 16 * 16, 32);
+    LADLE_ALL(LADLE_STEP)
+  }
+  LADLE_ALL(LADLE_STORE)
+#undef LADLE_STORE
+#undef LADLE_STEP
+#undef LADLE_ZERO
+#undef LADLE_ALL
+#undef LADLE_TILE
+}
+
+using ValueSumsFn = void (*)(const uint16_t*, const uint16_t*, const int64_t*, int64_t, int64_t,
+                             int64_t, int64_t, int, TileScratch&);
+constexpr ValueSumsFn kValueSums[kValueTiles] = {value_sums<1>, value_sums<2>, value_sums<3>,
+                                                 value_sums<4>};
+
+// 16 float32 weights as bf16 hi (rounded) and lo (the rest, rounded).
+inline void split_weights(__m512 w, uint16_t* hi, uint16_t* lo) {
+  const __m256bh h = _mm512_cvtneps_pbh(w);
+  const __m256i hb = reinterpret_cast<const __m256i&>(h);
+  const __m512 rest =
+      _mm512_sub_ps(w, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hb), 16)));
+  const __m256bh l = _mm512_cvtneps_pbh(rest);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi), hb);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo), reinterpret_cast<const __m256i&>(l));
+}
+
+// One task: n pairs of one sequence and KV head over the positions each attends.
+template <int D>
+void attend_tiles(const TilePair* pairs, int n, const uint16_t* keys_base,
+                  const uint16_t* values_base, const int64_t* offs, float scale, float cap,
+                  TileScratch& s) {
+  int64_t lo = pairs[0].first, end = pairs[0].end;
+  for (int m = 1; m < n; ++m) {
+    lo = std::min(lo, pairs[m].first);
+    end = std::max(end, pairs[m].end);
+  }
+  lo -= lo % 16;
+  const int64_t hi = (end + 15) / 16 * 16, span = hi - lo, runs = span / 16;
+  configure_attention_tiles(n, s.configured);
+  s.q.resize(static_cast<size_t>(kTilePairs) * D);
+  for (int m = 0; m < n; ++m) std::memcpy(s.q.data() + m * D, pairs[m].q, D * sizeof(uint16_t));
+  s.scores.resize(static_cast<size_t>(kTilePairs) * span);
+  tile_scores<D>(s.q.data(), keys_base, offs, lo, hi, s.scores.data(), span);
+  // weights: each pair's own positions exponentiated, zeros elsewhere (the tiles have n rows)
+  float inv[kTilePairs];
+  s.weights.resize(static_cast<size_t>(runs) * 2 * kTilePairs * 16);
+  for (int m = 0; m < n; ++m) {
+    float* row = s.scores.data() + m * span;
+    const int64_t a = pairs[m].first - lo, b = pairs[m].end - lo;
+    // the maximum (capped scores kept: the cap is dear), then one pass over every run:
+    // weights exp(score - max) at the pair's positions, zeros elsewhere, the total summing
+    // position p into lane p % 16
+    float max = -INFINITY;
+    for (int64_t p = a; p < b; p += 16) {
+      const int64_t k = b - p < 16 ? b - p : 16;
+      V16 sc = v_mul(v_load_first(row + p, k), v_set1(scale));
+      if (cap > 0.0f) {
+        sc = softcap_ps(sc, cap);
+        v_store_first(row + p, sc, k);
+      }
+      max = std::fmax(max, v_max_first(sc, k));
+    }
+    V16 total = v_zero();
+    for (int64_t r = 0; r < runs; ++r) {
+      const int64_t p = r * 16;
+      const int64_t from = a > p ? a - p : 0, to = b - p < 16 ? (b > p ? b - p : 0) : 16;
+      const __mmask16 keep =
+          static_cast<__mmask16>(to > from ? ((1u << to) - 1) & ~((1u << from) - 1) : 0u);
+      __m512 w = _mm512_setzero_ps();
+      if (keep) {
+        V16 sc = _mm512_maskz_loadu_ps(keep, row + p);
+        if (cap <= 0.0f) sc = v_mul(sc, v_set1(scale));
+        w = _mm512_maskz_mov_ps(keep, v_exp(v_sub(sc, v_set1(max))));
+        total = v_add(total, w);
+      }
+      uint16_t* hi_row = s.weights.data() + (r * 2 * kTilePairs + m) * 16;
+      split_weights(w, hi_row, hi_row + kTilePairs * 16);
+    }
+    inv[m] = 1.0f / v_reduce_add(total);
+  }
+  // value sums, up to kValueTiles chunks of 16 features per pass over the runs
+  for (int c0 = 0; c0 < D / 16; c0 += kValueTiles) {
+    const int chunks = D / 16 - c0 < kValueTiles ? D / 16 - c0 : kValueTiles;
+    kValueSums[chunks - 1](s.weights.data(), values_base, offs, lo, hi, end, D, c0, s);
+    for (int m = 0; m < n; ++m)
+      for (int c = 0; c < chunks; ++c)
+        store_bf16(pairs[m].out + 16 * (c0 + c), v_mul(v_load(s.sums[c][m]), v_set1(inv[m])));
+  }
+}
+
+using AttendTilesFn = void (*)(const TilePair*, int, const uint16_t*, const uint16_t*,
+                               const int64_t*, float, float, TileScratch&);
+
+AttendTilesFn attend_tiles_for(int64_t head_dim) {
+  switch (head_dim) {
+    case 32: return attend_tiles<32>;
+    case 64: return attend_tiles<64>;
+    case 96: return attend_tiles<96>;
+    case 128: return attend_tiles<128>;
+    case 192: return attend_tiles<192>;
+    case 256: return attend_tiles<256>;
+    default: return nullptr;
+  }
+}
+
+// Rows r and r + 1 attend through the same block table (a prefill's tokens).
+inline bool same_table(const int64_t* tables, int64_t max_blocks, int64_t r) {
+  return std::memcmp(tables + r * max_blocks, tables + (r + 1) * max_blocks,
+                     max_blocks * sizeof(int64_t)) == 0;
+}
+
+void attend_rows_tiles(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& tables, const int64_t* starts, const int64_t* lens,
+                       double scale, double cap, at::Tensor& out) {
+  const int64_t R = q.size(0), H = q.size(1), D = q.size(2), q_row = q.stride(0);
+  const int64_t Hkv = k_cache.size(0), bs = k_cache.size(2);
+  const AttendTilesFn fn = attend_tiles_for(D);
+  TORCH_CHECK(fn != nullptr, "head_dim ", D, " not supported (32, 64, 96, 128, 192, 256)");
+  const int64_t max_blocks = tables.size(1);
+  const auto* qp = static_cast<const uint16_t*>(q.data_ptr());
+  const auto* kp = static_cast<const uint16_t*>(k_cache.data_ptr());
+  const auto* vp = static_cast<const uint16_t*>(v_cache.data_ptr());
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  auto* op = static_cast<uint16_t*>(out.data_ptr());
+  const int64_t G = H / Hkv;
+  const int64_t head_cache = k_cache.size(1) * bs * D;
+  // Tasks: the (row, query head) pairs of rows sharing a table, row-major, 16 at a time (a
+  // decode row's G heads alone), the last of each sequence first (its longest rows); each
+  // task for every KV head.
+  struct Task {
+    int64_t row, pair, count;  // first row, its first pair (row * G + head), pairs
+  };
+  std::vector<Task> tasks;
+  for (int64_t r0 = 0, r1; r0 < R; r0 = r1) {
+    for (r1 = r0 + 1; r1 < R && same_table(tp, max_blocks, r1 - 1);) ++r1;
+    const int64_t total = (r1 - r0) * G;
+    for (int64_t p = (total - 1) / kTilePairs * kTilePairs; p >= 0; p -= kTilePairs)
+      tasks.push_back({r0, r0 * G + p, std::min<int64_t>(kTilePairs, total - p)});
+  }
+  const int64_t T = static_cast<int64_t>(tasks.size());
+  parallel_chunks(T * Hkv, 1, [&](const auto& take) {
+    TileScratch s;
+    Positions positions;
+    TilePair pairs[kTilePairs];
+    for (int64_t begin, end; take(begin, end);)
+      for (int64_t i = begin; i < end; ++i) {
+        const Task& t = tasks[i / Hkv];
+        const int64_t h = i % Hkv;
+        int64_t longest = 0;
+        for (int64_t j = 0; j < t.count; ++j) {
+          const int64_t pair = t.pair + j, r = pair / G, g = h * G + pair % G;
+          pairs[j] = {qp + r * q_row + g * D, op + (r * H + g) * D, starts ? starts[r] : 0,
+                      lens[r]};
+          longest = std::max(longest, lens[r]);
+        }
+        const int64_t* table = tp + (t.pair + t.count - 1) / G * max_blocks;
+        const int64_t* offs = positions.at(table, (longest + bs - 1) / bs, bs, D);
+        fn(pairs, static_cast<int>(t.count), kp + h * head_cache, vp + h * head_cache, offs,
+           static_cast<float>(scale), static_cast<float>(cap), s);
+      }
+    _tile_release();
+  });
+}
+
+bool attention_tiles_usable() { return amx_permitted(); }
+
+#else
+bool attention_tiles_usable() { return false; }
+#endif  // LADLE_ATTENTION_TILES
+
 void check_cache(const at::Tensor& cache, const char* name) {
   TORCH_CHECK(cache.dim() == 4 && cache.is_contiguous() &&
                   (cache.scalar_type() == at::kBFloat16 || cache.scalar_type() == at::kFloat),
@@ -409,7 +710,7 @@ at::Tensor paged_attention_rows(const at::Tensor& q, const at::Tensor& k_cache,
                                 const at::Tensor& v_cache, const at::Tensor& tables,
                                 const at::Tensor& context_lens, double scale,
                                 const std::optional<at::Tensor>& starts, double softcap,
-                                bool packed_keys) {
+                                bool packed_keys, bool tiles) {
   check_cache(k_cache, "k_cache");
   check_cache(v_cache, "v_cache");
   TORCH_CHECK(!packed_keys || k_cache.size(2) % 16 == 0,
@@ -450,6 +751,15 @@ at::Tensor paged_attention_rows(const at::Tensor& q, const at::Tensor& k_cache,
                   r, ": block id out of range");
   }
   at::Tensor out = at::empty({R, H, D}, q.options());
+  TORCH_CHECK(!tiles || (packed_keys && q.scalar_type() == at::kBFloat16 &&
+                         attention_tiles_usable()),
+              "tiles need bf16, packed keys (and packed values) and AMX");
+#if defined(LADLE_ATTENTION_TILES)
+  if (tiles) {
+    attend_rows_tiles(qc, k_cache, v_cache, tc, first, lens, scale, softcap, out);
+    return out;
+  }
+#endif
 #if defined(__AVX512BF16__)
   if (q.scalar_type() == at::kBFloat16)
     attend_rows<Bf16>(qc, k_cache, v_cache, tc, first, lens, scale, softcap, packed_keys, out);
@@ -474,9 +784,16 @@ inline void write_packed_key(const char* src, char* run, int64_t lane, int64_t D
   }
 }
 
-// k, v [T, Hkv, D] into slot slots[t] of every head's cache (keys packed: see the header).
+// Value row `src` (D bf16) into its position of a packed run (see "Packed values" above).
+inline void write_packed_value(const uint16_t* src, uint16_t* run, int64_t lane, int64_t D) {
+  for (int64_t f = 0; f < D; ++f)
+    run[((f / 16 * 8 + lane / 2) * 16 + f % 16) * 2 + lane % 2] = src[f];
+}
+
+// k, v [T, Hkv, D] into slot slots[t] of every head's cache (keys packed, values packed: see
+// the header and the tiles' notes).
 void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
-              const at::Tensor& slots, bool packed_keys) {
+              const at::Tensor& slots, bool packed_keys, bool packed_values) {
   check_cache(k_cache, "k_cache");
   check_cache(v_cache, "v_cache");
   const at::ScalarType dtype = k_cache.scalar_type();
@@ -485,6 +802,8 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
   const int64_t num_slots = k_cache.size(1) * k_cache.size(2);
   TORCH_CHECK(!packed_keys || (k_cache.size(2) % 16 == 0 && D % 2 == 0),
               "packed keys need blocks of a multiple of 16 positions");
+  TORCH_CHECK(!packed_values || (k_cache.size(2) % 16 == 0 && D % 16 == 0 && dtype == at::kBFloat16),
+              "packed values need bf16, blocks of a multiple of 16 positions, head_dim % 16 == 0");
   TORCH_CHECK(k.dim() == 3 && k.size(1) == Hkv && k.size(2) == D && v.sizes() == k.sizes() &&
                   k.scalar_type() == dtype && v.scalar_type() == dtype,
               "k and v must be [tokens, kv_heads, head_dim] of the cache's shape and dtype");
@@ -516,7 +835,13 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
         } else {
           std::memcpy(kd + at_slot, ks + t * k_row + h * D * size, row);
         }
-        std::memcpy(vd + at_slot, vs + t * v_row + h * D * size, row);
+        if (packed_values) {
+          const int64_t lane = sp[t] % 16;
+          write_packed_value(reinterpret_cast<const uint16_t*>(vs + t * v_row + h * D * size),
+                             reinterpret_cast<uint16_t*>(vd + at_slot - lane * D * size), lane, D);
+        } else {
+          std::memcpy(vd + at_slot, vs + t * v_row + h * D * size, row);
+        }
       }
   });
 }
@@ -527,10 +852,11 @@ TORCH_LIBRARY_FRAGMENT(ladle_native, m) {
   m.def(
       "paged_attention_rows(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, "
       "Tensor context_lens, float scale, Tensor? starts=None, float softcap=0.0, "
-      "bool packed_keys=False) -> Tensor");
+      "bool packed_keys=False, bool tiles=False) -> Tensor");
+  m.def("attention_tiles_usable() -> bool", &attention_tiles_usable);
   m.def(
       "write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
-      "bool packed_keys=False) -> ()");
+      "bool packed_keys=False, bool packed_values=False) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(ladle_native, CPU, m) {

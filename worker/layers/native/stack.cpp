@@ -45,6 +45,7 @@ struct Stack {
   double eps = 0.0, scale = 0.0;
   bool f32 = false;          // float32 caches, weights and activations
   bool packed_keys = false;  // the caches' keys packed (attention.cpp's header)
+  bool tiles = false;        // attention on the AMX tiles, values packed (attention.cpp)
 };
 
 std::mutex registry_mutex;
@@ -67,10 +68,10 @@ using AddNorm = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::
 using Unary = at::Tensor(const at::Tensor&);
 using Rotary = void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t);
 using WriteKv = void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&,
-                     const at::Tensor&, bool);
+                     const at::Tensor&, bool, bool);
 using Attention = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                              const at::Tensor&, const at::Tensor&, double,
-                             const std::optional<at::Tensor>&, double, bool);
+                             const std::optional<at::Tensor>&, double, bool, bool);
 
 // The small ops of one activation dtype.
 struct Glue {
@@ -133,11 +134,12 @@ constexpr size_t kIntsPerLayer = 8;      // linears 4 x (kind, out_features)
 
 // tensors: per layer input_norm, post_norm, qkv, qkv_bias, o, o_bias, gate_up, gate_up_bias,
 // down, down_bias, k_cache, v_cache (an empty bias: none), then cos and sin; ints: per layer
-// (kind, out_features) of qkv, o, gate_up, down; `packed_keys`: the caches' keys are packed.
+// (kind, out_features) of qkv, o, gate_up, down; `packed_keys`: the caches' keys are packed;
+// `tiles`: attention on the AMX tiles.
 // Returns the stack's handle.
 int64_t stack_create(const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& ints,
                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
-                     double scale, bool packed_keys) {
+                     double scale, bool packed_keys, bool tiles) {
   TORCH_CHECK(tensors.size() >= 2 && (tensors.size() - 2) % kTensorsPerLayer == 0,
               "stack_create: tensors must be 12 per layer, then cos and sin");
   const size_t num_layers = (tensors.size() - 2) / kTensorsPerLayer;
@@ -171,6 +173,7 @@ int64_t stack_create(const std::vector<at::Tensor>& tensors, const std::vector<i
   stack->eps = eps;
   stack->scale = scale;
   stack->packed_keys = packed_keys;
+  stack->tiles = tiles;
   std::lock_guard<std::mutex> lock(registry_mutex);
   registry.push_back(std::move(stack));
   return static_cast<int64_t>(registry.size() - 1);
@@ -207,9 +210,9 @@ std::tuple<at::Tensor, at::Tensor> layer_forward(const Stack& s, const Layer& l,
   const at::Tensor k = heads.slice(1, s.num_heads, num_qk);
   const at::Tensor v = heads.slice(1, num_qk);
   at::Tensor k_cache = l.k_cache, v_cache = l.v_cache;
-  o.write_kv.call(k, v, k_cache, v_cache, slots, s.packed_keys);
+  o.write_kv.call(k, v, k_cache, v_cache, slots, s.packed_keys, s.tiles);
   const at::Tensor attended = o.attention.call(q, l.k_cache, l.v_cache, tables, lens, s.scale,
-                                               std::nullopt, 0.0, s.packed_keys);
+                                               std::nullopt, 0.0, s.packed_keys, s.tiles);
   const at::Tensor projected = linear(l.o, attended.view({tokens, -1}));
   auto [y, stream2] = g.add_rms_norm.call(projected, stream, l.post_norm, s.eps, 0.0);
   const at::Tensor out = linear(l.down, g.silu_mul.call(linear(l.gate_up, y)));
@@ -233,7 +236,7 @@ std::tuple<at::Tensor, at::Tensor> stack_forward(int64_t handle, const at::Tenso
 TORCH_LIBRARY_FRAGMENT(ladle_native, m) {
   m.def(
       "stack_create(Tensor[] tensors, int[] ints, int num_heads, int num_kv_heads, "
-      "int head_dim, float eps, float scale, bool packed_keys=False) -> int",
+      "int head_dim, float eps, float scale, bool packed_keys=False, bool tiles=False) -> int",
       &stack_create);
   m.def("stack_free(int handle) -> ()", &stack_free);
   m.def(
