@@ -227,6 +227,35 @@ def test_int4_kernel_is_measured_once_where_the_cpu_has_amx(tmp_path, monkeypatc
     assert native.int4_amx(960, 576) and not native.int4_amx(208, 576)  # 64 outputs a set
 
 
+def test_attention_kernel_is_measured_once_where_the_cpu_has_amx(tmp_path, monkeypatch):
+    """Where the tile attention runs, both attention kernels are timed on first load and the
+    choice is kept beside the library; elsewhere nothing is timed; LLM_ATTENTION_KERNEL names
+    one, auto brings the measured one back."""
+    library = tmp_path / "ladle_native-test.so"
+    record = tmp_path / "ladle_native-test.attention.json"
+    monkeypatch.setitem(native._state, "attention_tiles", native._state.get("attention_tiles"))
+    if not native.attention_tiles_usable():
+        monkeypatch.setattr(native, "measure_attention_kernels", lambda: pytest.fail("measured"))
+        assert native.choose_attention_tiles(library) is False and not record.exists()
+        native.select_attention_kernel("amx")
+        assert not native.attention_tiles()
+        return
+    monkeypatch.setattr(native, "ATTENTION_PROBES", ((1, 32, False), (32, 32, True)))
+    chosen = native.choose_attention_tiles(library)
+    kept = json.loads(record.read_text())
+    assert kept["kernel"] == ("amx" if chosen else "avx512")
+    assert set(kept["seconds"]["amx"]) == {"decode 1x32", "prefill 32x32"}
+    monkeypatch.setattr(native, "measure_attention_kernels", lambda: pytest.fail("measured"))
+    for kernel in ("avx512", "amx"):  # a kept choice is used as it is
+        record.write_text(json.dumps({"kernel": kernel}))
+        assert native.choose_attention_tiles(library) is (kernel == "amx")
+    monkeypatch.setitem(native._state, "attention_tiles_measured", True)
+    native.select_attention_kernel("avx512")
+    assert not native.attention_tiles()
+    native.select_attention_kernel("auto")
+    assert native.attention_tiles()
+
+
 def test_llm_int4_kernel_names_the_kernel_and_auto_brings_the_measured_one_back(monkeypatch):
     from worker.layers.quant import Int4Kernel, quantize_int4
 

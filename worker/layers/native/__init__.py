@@ -33,6 +33,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -302,23 +303,31 @@ def choose_int4_amx(library: Path) -> bool:
     ops = torch.ops.ladle_native
     if not ops.available() or not ops.int4_amx_usable(3072, 576):
         return False
-    record = library.with_name(f"{library.stem}.int4.json")
+    return _kept_or_timed(library, "int4", measure_int4_kernels) == "amx"
+
+
+def _kept_or_timed(library: Path, what: str, measure: Callable[[], dict]) -> str:
+    """The kernel ("avx512" or "amx") kept for `what` beside `library`; else both timed
+    (`measure`: seconds per kernel and probe) and the one of the least `_relative_costs`
+    kept there ("avx512" where timing fails: never worth losing the kernels over)."""
+    record = library.with_name(f"{library.stem}.{what}.json")
     try:
-        return json.loads(record.read_text())["kernel"] == "amx"
+        return str(json.loads(record.read_text())["kernel"])
     except (OSError, ValueError, KeyError, TypeError):
         pass
     started = time.perf_counter()
     try:
-        seconds = measure_int4_kernels()
-    except RuntimeError as exc:  # never worth losing the kernels over
-        logger.warning("int4 kernels not timed (%s): AVX-512", exc)
-        return False
+        seconds = measure()
+    except RuntimeError as exc:
+        logger.warning("%s kernels not timed (%s): AVX-512", what, exc)
+        return "avx512"
     cost = _relative_costs(seconds)
-    kernel = _least_relative(seconds)
+    kernel = min(sorted(cost), key=cost.__getitem__)
     logger.info(
-        "int4 on %s: relative time summed over %s rows %.2f (AVX-512) and %.2f (AMX) (%.2f s)",
+        "%s on %s: relative time summed over %s %.2f (AVX-512) and %.2f (AMX) (%.2f s)",
+        what,
         kernel,
-        "/".join(map(str, INT4_PROBE_ROWS)),
+        "/".join(map(str, seconds["avx512"])),
         cost["avx512"],
         cost["amx"],
         time.perf_counter() - started,
@@ -327,7 +336,7 @@ def choose_int4_amx(library: Path) -> bool:
         record.write_text(json.dumps({"kernel": kernel, "seconds": seconds}))
     except OSError:
         pass  # a read-only install: measured again next start
-    return kernel == "amx"
+    return kernel
 
 
 def select_int4_kernel(name: str) -> None:
@@ -517,32 +526,7 @@ def choose_attention_tiles(library: Path) -> bool:
     ops = torch.ops.ladle_native
     if not ops.available() or not ops.attention_tiles_usable():
         return False
-    record = library.with_name(f"{library.stem}.attention.json")
-    try:
-        return json.loads(record.read_text())["kernel"] == "amx"
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    started = time.perf_counter()
-    try:
-        seconds = measure_attention_kernels()
-    except RuntimeError as exc:  # never worth losing the kernels over
-        logger.warning("attention kernels not timed (%s): AVX-512", exc)
-        return False
-    kernel = _least_relative(seconds)
-    logger.info(
-        "attention on %s: %s (%.2f s)",
-        kernel,
-        ", ".join(
-            f"{case} {seconds['avx512'][case] * 1e3:.2f} / {seconds['amx'][case] * 1e3:.2f} ms"
-            for case in seconds["avx512"]
-        ),
-        time.perf_counter() - started,
-    )
-    try:
-        record.write_text(json.dumps({"kernel": kernel, "seconds": seconds}))
-    except OSError:
-        pass  # a read-only install: measured again next start
-    return kernel == "amx"
+    return _kept_or_timed(library, "attention", measure_attention_kernels) == "amx"
 
 
 def _relative_costs(seconds: dict[str, dict]) -> dict[str, float]:
@@ -551,12 +535,6 @@ def _relative_costs(seconds: dict[str, dict]) -> dict[str, float]:
         name: sum(t / min(by[probe] for by in seconds.values()) for probe, t in by_probe.items())
         for name, by_probe in seconds.items()
     }
-
-
-def _least_relative(seconds: dict[str, dict]) -> str:
-    """The kernel of the least `_relative_costs`."""
-    cost = _relative_costs(seconds)
-    return min(sorted(cost), key=cost.__getitem__)
 
 
 def select_attention_kernel(name: str) -> None:

@@ -656,14 +656,14 @@ void attend_rows_tiles(const at::Tensor& q, const at::Tensor& k_cache, const at:
   // decode row's G heads alone), the last of each sequence first (its longest rows); each
   // task for every KV head.
   struct Task {
-    int64_t row, pair, count;  // first row, its first pair (row * G + head), pairs
+    int64_t pair, count;  // the first pair (row * G + head), pairs
   };
   std::vector<Task> tasks;
   for (int64_t r0 = 0, r1; r0 < R; r0 = r1) {
     for (r1 = r0 + 1; r1 < R && same_table(tp, max_blocks, r1 - 1);) ++r1;
     const int64_t total = (r1 - r0) * G;
     for (int64_t p = (total - 1) / kTilePairs * kTilePairs; p >= 0; p -= kTilePairs)
-      tasks.push_back({r0, r0 * G + p, std::min<int64_t>(kTilePairs, total - p)});
+      tasks.push_back({r0 * G + p, std::min<int64_t>(kTilePairs, total - p)});
   }
   const int64_t T = static_cast<int64_t>(tasks.size());
   parallel_chunks(T * Hkv, 1, [&](const auto& take) {
