@@ -502,8 +502,8 @@ inline void zeroed_tail(const uint16_t* run, int64_t D, int64_t valid, uint16_t*
   }
 }
 
-// C tiles (tmm3, tmm5, tmm6, tmm7)[c] for c < N: every run's weights (hi tmm0, lo tmm1) times its value chunks
-// c0 + c (tmm2), hi then lo.
+// C tiles (tmm3, tmm5, tmm6, tmm7)[c] for c < N: every run's weights (hi tmm0, lo tmm1)
+// times its value chunks c0 + c (tmm2), hi then lo.
 template <int N>
 void value_sums(const uint16_t* weights, const uint16_t* values_base, const int64_t* offs,
                 int64_t lo, int64_t hi, int64_t end, int64_t D, int c0, TileScratch& s) {
@@ -802,7 +802,8 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
   const int64_t num_slots = k_cache.size(1) * k_cache.size(2);
   TORCH_CHECK(!packed_keys || (k_cache.size(2) % 16 == 0 && D % 2 == 0),
               "packed keys need blocks of a multiple of 16 positions");
-  TORCH_CHECK(!packed_values || (k_cache.size(2) % 16 == 0 && D % 16 == 0 && dtype == at::kBFloat16),
+  TORCH_CHECK(!packed_values ||
+                  (k_cache.size(2) % 16 == 0 && D % 16 == 0 && dtype == at::kBFloat16),
               "packed values need bf16, blocks of a multiple of 16 positions, head_dim % 16 == 0");
   TORCH_CHECK(k.dim() == 3 && k.size(1) == Hkv && k.size(2) == D && v.sizes() == k.sizes() &&
                   k.scalar_type() == dtype && v.scalar_type() == dtype,
