@@ -280,18 +280,41 @@ def measure_int4_kernels(rounds: int = 5) -> dict[str, dict[int, float]]:
         cell = (n // 16) * (k // 32) * 320
         layers += [(n, k, torch.zeros(cell, dtype=torch.uint8)) for _ in range(8)]
     xs = {rows: torch.randn(rows, 1536).to(torch.bfloat16) for rows in INT4_PROBE_ROWS}
-    times: dict[str, dict[int, list[float]]] = {"avx512": {}, "amx": {}}
+
+    def run(rows: int, amx: bool) -> None:
+        for n, k, packed in layers:
+            ops.gemm_int4(xs[rows][:, :k], packed, n, None, amx)
+
+    return _alternating_medians(
+        {
+            rows: {
+                "avx512": functools.partial(run, rows, False),
+                "amx": functools.partial(run, rows, True),
+            }
+            for rows in INT4_PROBE_ROWS
+        },
+        rounds,
+    )
+
+
+def _alternating_medians(
+    calls: dict[Any, dict[str, Callable[[], object]]], rounds: int
+) -> dict[str, dict[Any, float]]:
+    """Median seconds of each kernel's call per probe ({probe: {kernel: call}}), the probes and
+    kernels alternating within each of `rounds` rounds after one that warms up."""
+    times: dict[str, dict[Any, list[float]]] = {}
     for round_ in range(rounds + 1):
-        for rows in INT4_PROBE_ROWS:
-            for name, amx in (("avx512", False), ("amx", True)):
+        for probe, by_kernel in calls.items():
+            for kernel, call in by_kernel.items():
                 started = time.perf_counter()
-                for n, k, packed in layers:
-                    ops.gemm_int4(xs[rows][:, :k], packed, n, None, amx)
-                if round_:  # the first round warms up
-                    times[name].setdefault(rows, []).append(time.perf_counter() - started)
+                call()
+                if round_:
+                    times.setdefault(kernel, {}).setdefault(probe, []).append(
+                        time.perf_counter() - started
+                    )
     return {
-        name: {rows: sorted(t)[len(t) // 2] for rows, t in by_rows.items()}
-        for name, by_rows in times.items()
+        kernel: {probe: sorted(t)[len(t) // 2] for probe, t in by_probe.items()}
+        for kernel, by_probe in times.items()
     }
 
 
@@ -343,10 +366,17 @@ def select_int4_kernel(name: str) -> None:
     """The int4 kernel of the models loaded from now on (`LLM_INT4_KERNEL`): "auto" (the one
     `choose_int4_amx` kept), "avx512" or "amx" (still only where `int4_amx_usable`). Set
     before a model loads, never while it serves: a row must sum the same way all along."""
-    if name == "amx" and not int4_amx_usable(3072, 576):
-        logger.warning("LLM_INT4_KERNEL=amx: this CPU has no AMX int4 kernel; AVX-512 it is")
-    measured = bool(_state.get("int4_amx_measured"))
-    _state["int4_amx"] = measured if name == "auto" else name == "amx"
+    _select("LLM_INT4_KERNEL", name, "int4_amx", int4_amx_usable(3072, 576))
+
+
+def _select(setting: str, name: str, key: str, usable: bool) -> None:
+    """`_state[key]`: whether the AMX kernel runs, as `setting`'s value `name` says ("auto":
+    the one measured at load); where AMX is not `usable` here, a warning for "amx" (the
+    readers check usability themselves)."""
+    if name == "amx" and not usable:
+        logger.warning("%s=amx: this CPU has no AMX kernel for it; AVX-512 it is", setting)
+    measured = bool(_state.get(f"{key}_measured"))
+    _state[key] = measured if name == "auto" else name == "amx"
 
 
 def int4_amx_usable(out_features: int, in_features: int) -> bool:
@@ -489,7 +519,12 @@ def measure_attention_kernels(rounds: int = 5) -> dict[str, dict[str, float]]:
     # (the values' layout does not change the time: the tiles read them packed)
     k_cache = pack_keys(torch.randn(kv_heads, blocks, block, dim).to(torch.bfloat16))
     v_cache = torch.randn(kv_heads, blocks, block, dim).to(torch.bfloat16)
-    cases = {}
+
+    def run(q: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, repeats: int, tiles: bool):
+        for _ in range(repeats):
+            attention_rows(q, k_cache, v_cache, tables, lens, 0.125, None, None, True, tiles)
+
+    calls = {}
     for rows, context, prefill in ATTENTION_PROBES:
         per_row = context // block
         if prefill:
@@ -498,24 +533,17 @@ def measure_attention_kernels(rounds: int = 5) -> dict[str, dict[str, float]]:
         else:
             tables = torch.arange(rows * per_row).view(rows, per_row)
             lens = torch.full((rows,), context)
-        q = torch.randn(rows, heads, dim).to(torch.bfloat16)
-        cases[f"{'prefill' if prefill else 'decode'} {rows}x{context}"] = (q, tables, lens)
-    times: dict[str, dict[str, list[float]]] = {"avx512": {}, "amx": {}}
-    for round_ in range(rounds + 1):
-        for name, (q, tables, lens) in cases.items():
-            for kernel in times:
-                repeats = 2 if name.startswith("prefill") else 20
-                started = time.perf_counter()
-                for _ in range(repeats):
-                    attention_rows(
-                        q, k_cache, v_cache, tables, lens, 0.125, None, None, True, kernel == "amx"
-                    )
-                if round_:  # the first round warms up
-                    times[kernel].setdefault(name, []).append(time.perf_counter() - started)
-    return {
-        kernel: {name: sorted(t)[len(t) // 2] for name, t in by_case.items()}
-        for kernel, by_case in times.items()
-    }
+        case = (
+            torch.randn(rows, heads, dim).to(torch.bfloat16),
+            tables,
+            lens,
+            2 if prefill else 20,
+        )
+        calls[f"{'prefill' if prefill else 'decode'} {rows}x{context}"] = {
+            "avx512": functools.partial(run, *case, False),
+            "amx": functools.partial(run, *case, True),
+        }
+    return _alternating_medians(calls, rounds)
 
 
 def choose_attention_tiles(library: Path) -> bool:
@@ -542,17 +570,12 @@ def select_attention_kernel(name: str) -> None:
     "auto" (the one `choose_attention_tiles` kept), "avx512" or "amx" (still only where
     `attention_tiles_usable`). Set before a model loads: a row must sum the same way all
     along."""
-    if name == "amx" and not attention_tiles_usable():
-        logger.warning("LLM_ATTENTION_KERNEL=amx: this CPU has no AMX; AVX-512 it is")
-    measured = bool(_state.get("attention_tiles_measured"))
-    _state["attention_tiles"] = (measured if name == "auto" else name == "amx") and (
-        attention_tiles_usable()
-    )
+    _select("LLM_ATTENTION_KERNEL", name, "attention_tiles", attention_tiles_usable())
 
 
 def attention_tiles() -> bool:
     """Whether bf16 row attention over packed keys runs on the AMX tiles here."""
-    return bool(_state.get("attention_tiles"))
+    return bool(_state.get("attention_tiles")) and attention_tiles_usable()
 
 
 def pack_keys(k_cache: torch.Tensor) -> torch.Tensor:
