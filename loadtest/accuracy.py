@@ -15,7 +15,9 @@
 A variant is a dtype (`float32`, `bfloat16`) or a quantization (`int8`, `int4`, `auto`: a
 GGUF's tensors as the file holds them; run with bf16 embeddings, norms and lm_head, the
 default dtype on CPUs with native bf16; `int8/float32` keeps those in float32; a `+int8head`
-suffix, e.g. `int4+int8head`, serves the lm_head in int8 as LLM_LM_HEAD_QUANTIZATION=int8).
+suffix, e.g. `int4+int8head`, serves the lm_head in int8 as LLM_LM_HEAD_QUANTIZATION=int8;
+`+kv16` keeps the KV cache in float16 and `+kvmodel` in the model's dtype, as
+LLM_KV_CACHE_DTYPE=float16 / model; without either, its default, auto).
 Prompts: the chat template over short varied user questions (real text, not random ids), or
 the questions as plain text for a model without a chat template (a base model).
 """
@@ -73,8 +75,14 @@ def questions(count: int) -> list[str]:
 def build_llm(model: str, variant: str) -> LLM:
     """The offline engine for `variant`: a dtype, or a quantization over bf16 ("int8") or
     over another dtype for the rest of the model ("int8/float32"); "+int8head" serves the
-    lm_head in int8 too (LLM_LM_HEAD_QUANTIZATION=int8)."""
-    variant, plus, _ = variant.partition("+int8head")
+    lm_head in int8 too (LLM_LM_HEAD_QUANTIZATION=int8); "+kv16" / "+kvmodel" set the KV
+    cache's dtype."""
+    variant, *suffixes = variant.split("+")
+    kv = {"kv16": "float16", "kvmodel": "model"}
+    unknown = set(suffixes) - {"int8head", *kv}
+    if unknown:
+        raise SystemExit(f"unknown variant suffix: {', '.join(sorted(unknown))}")
+    kv_dtype = next((kv[s] for s in suffixes if s in kv), "auto")
     name, _, rest_dtype = variant.partition("/")
     quantized = name in QUANTIZED
     return LLM(
@@ -85,7 +93,8 @@ def build_llm(model: str, variant: str) -> LLM:
             device="cpu",
             kv_cache_size_mb=256,
             enable_prefix_caching=False,
-            lm_head_quantization="int8" if plus else "none",
+            lm_head_quantization="int8" if "int8head" in suffixes else "none",
+            kv_cache_dtype=kv_dtype,
         )
     )
 
@@ -104,7 +113,9 @@ def forced_logits(llm: LLM, tokens: list[int], first: int) -> torch.Tensor:
     request = Request("forced", tokens, SamplingParams(), max_tokens=1)
     step = SchedulerOutput([ScheduledChunk(request, 0, len(tokens), blocks, True)])
     with torch.inference_mode():
-        inputs = build_step_inputs(step.chunks, runner.block_size, runner.device)
+        inputs = build_step_inputs(
+            step.chunks, runner.block_size, runner.device, runner.row_attention
+        )
         set_attention_metadata(inputs.metadata)
         try:
             hidden = runner.model(inputs.input_ids, inputs.positions)

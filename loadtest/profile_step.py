@@ -203,6 +203,12 @@ def main() -> None:
         choices=["auto", "avx512", "amx"],
         help="LLM_ATTENTION_KERNEL: bf16 attention on vectors or AMX tiles (auto: timed)",
     )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "model", "float16"],
+        help="LLM_KV_CACHE_DTYPE: float16 halves what a float32 model's attention reads",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
@@ -221,6 +227,7 @@ def main() -> None:
         lm_head_quantization=args.lm_head_quantization,
         int4_kernel=args.int4_kernel,
         attention_kernel=args.attention_kernel,
+        kv_cache_dtype=args.kv_cache_dtype,
         native_kernels=args.native == "on",
         deterministic=args.deterministic == "on",
     )

@@ -55,6 +55,13 @@ class Settings(BaseSettings):
     max_batch_size: int = Field(64, ge=1, description="cap on running sequences")
     max_num_batched_tokens: int = Field(1024, ge=16, description="token budget per step")
     kv_cache_size_mb: int = Field(512, ge=1)
+    kv_cache_dtype: Literal["auto", "model", "float16"] = Field(
+        "auto",
+        description="the KV cache's element type: model (the model's dtype), float16 (float32 "
+        "models on the CPU's native row attention: half the bytes a step reads, as llama.cpp "
+        "keeps it), auto (float16 where quantized weights run on float32 activations, else "
+        "the model's)",
+    )
     kv_cache_gpu_fraction: float | None = Field(None, gt=0, le=1)
     block_size: int = Field(16, ge=1)
     enable_prefix_caching: bool = True

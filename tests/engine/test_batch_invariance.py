@@ -143,11 +143,19 @@ def test_grouped_int8_matmul_is_batch_invariant():
 
 
 @pytest.mark.parametrize("layout", ["plain", "packed", "tiles"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_attention_row_is_batch_invariant(dtype, layout):
+@pytest.mark.parametrize(
+    "dtype,cache_dtype",
+    [
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.float32),
+        pytest.param(torch.float32, torch.float16, id="float32-float16-cache"),
+    ],
+)
+def test_attention_row_is_batch_invariant(dtype, cache_dtype, layout):
     """A query row over its own block table gives the same bits alone, among 1 to 255 other
     rows of other lengths, or among the other rows of its own prefill (keys plain or packed;
-    or on the AMX tiles, 16 rows and heads to a task), on 1 to 3 threads."""
+    or on the AMX tiles, 16 rows and heads to a task; float32 queries over a float16 cache
+    too), on 1 to 3 threads."""
     from worker.layers import native
 
     if dtype == torch.bfloat16:
@@ -156,10 +164,10 @@ def test_attention_row_is_batch_invariant(dtype, layout):
     if tiles and (dtype != torch.bfloat16 or not native.attention_tiles_usable()):
         pytest.skip("the tile kernel: bf16 on a CPU with AMX")
     heads, kv_heads, head_dim, block_size, num_blocks = 9, 3, 64, 16, 48
-    k_cache = _rand(kv_heads, num_blocks, block_size, head_dim, seed=13, dtype=dtype)
+    k_cache = _rand(kv_heads, num_blocks, block_size, head_dim, seed=13, dtype=cache_dtype)
     if packed:
         k_cache = native.pack_keys(k_cache)
-    v_cache = _rand(kv_heads, num_blocks, block_size, head_dim, seed=14, dtype=dtype)
+    v_cache = _rand(kv_heads, num_blocks, block_size, head_dim, seed=14, dtype=cache_dtype)
     if tiles:
         v_cache = native.pack_values(v_cache)
     rng = random.Random(15)

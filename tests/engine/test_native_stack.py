@@ -29,7 +29,8 @@ def _prompts() -> list[list[int]]:
     return [[rng.randrange(3, 256) for _ in range(rng.randint(5, 70))] for _ in range(6)]
 
 
-def _run(model_dir: Path, enabled: bool, monkeypatch, **settings: object) -> tuple[list, object]:
+def _run(model_dir: Path, enabled: bool, monkeypatch, **settings: object) -> tuple:
+    """(answers, the stack or None, the KV cache's dtype) of one engine's run."""
     build = native_stack.build_stack if enabled else (lambda layers: None)
     with monkeypatch.context() as patch:
         patch.setattr(native_stack, "build_stack", build)
@@ -41,7 +42,8 @@ def _run(model_dir: Path, enabled: bool, monkeypatch, **settings: object) -> tup
         for r in results
         for o in r.outputs
     ]
-    return answers, engine.executor.runner.model.model.native_layers._stack
+    executor = engine.executor
+    return answers, executor.runner.model.model.native_layers._stack, executor.kernels["kv_cache"]
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -52,22 +54,28 @@ def _run(model_dir: Path, enabled: bool, monkeypatch, **settings: object) -> tup
         ("llama", {"num_threads": 1, "quantization": "int4", "int4_kernel": "avx512"}),
         ("llama", {"num_threads": 2, "quantization": "int4", "int4_kernel": "amx"}),
         ("qwen2", {"num_threads": 2}),  # a bias on qkv
+        ("llama", {"num_threads": 2, "kv_cache_dtype": "float16"}),  # float32 models only
     ],
 )
 def test_stack_gives_the_loops_answers(family, settings, dtype, tmp_path, monkeypatch) -> None:
     require_native(bf16=dtype == "bfloat16")
     if dtype == "float32" and "quantization" in settings and native.bf16():
         pytest.skip("int4 computes on bf16 activations where the bf16 kernels are")
+    if dtype == "bfloat16" and "kv_cache_dtype" in settings:
+        pytest.skip("a float16 KV cache serves float32 models")
     settings = {**settings, "dtype": dtype}
     if settings.get("int4_kernel") == "amx" and not native.int4_amx_usable(64, 128):
         pytest.skip("no AMX int4 kernel on this CPU")
     monkeypatch.setitem(native._state, "int4_amx", native._state.get("int4_amx"))  # put back
     path = tiny_model_dir(family, tmp_path, hidden_size=128, intermediate_size=256)
     add_tiny_tokenizer(path)
-    looped, none = _run(path, False, monkeypatch, **settings)
-    stacked, stack = _run(path, True, monkeypatch, **settings)
+    looped, none, _ = _run(path, False, monkeypatch, **settings)
+    stacked, stack, kv_dtype = _run(path, True, monkeypatch, **settings)
     assert none is None and stack is not None  # the second run went through the stack
     assert stacked == looped
+    # a float16 cache where asked for, and by default under int4 on float32 activations
+    half = dtype == "float32" and ("kv_cache_dtype" in settings or "quantization" in settings)
+    assert kv_dtype == ("float16" if half else dtype)
     if "int4_kernel" in settings and dtype == "bfloat16":  # the kernel LLM_INT4_KERNEL named
         assert native.int4_amx(64, 128) == (settings["int4_kernel"] == "amx")
 
@@ -76,5 +84,5 @@ def test_a_model_that_does_not_qualify_keeps_the_loop(tmp_path, monkeypatch) -> 
     require_native(bf16=False)
     path = tiny_model_dir("gemma3", tmp_path, hidden_size=128, intermediate_size=256)
     add_tiny_tokenizer(path)
-    _, stack = _run(path, True, monkeypatch, num_threads=1, dtype="float32")
+    _, stack, _ = _run(path, True, monkeypatch, num_threads=1, dtype="float32")
     assert stack is None  # sandwich norms, q/k norms, windows: the Python layers serve it

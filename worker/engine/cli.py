@@ -61,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--kv-cache-size-mb", type=int, default=EngineConfig.kv_cache_size_mb)
     parser.add_argument(
+        "--kv-cache-dtype",
+        default=EngineConfig.kv_cache_dtype,
+        choices=_choices("kv_cache_dtype"),
+        help="float16: a float32 model's KV cache in half the bytes (auto: under quantization)",
+    )
+    parser.add_argument(
         "--speculative-ngram",
         type=int,
         default=EngineConfig.speculative_ngram,

@@ -35,6 +35,7 @@ class EngineConfig:
     device: str = _setting("device")
     block_size: int = _setting("block_size")
     kv_cache_size_mb: int = _setting("kv_cache_size_mb")
+    kv_cache_dtype: str = _setting("kv_cache_dtype")
     kv_cache_gpu_fraction: float | None = _setting("kv_cache_gpu_fraction")
     max_num_seqs: int = _setting("max_num_seqs")
     max_num_batched_tokens: int = _setting("max_num_batched_tokens")

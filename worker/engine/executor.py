@@ -25,6 +25,8 @@ from worker.engine.model_runner import ModelRunner
 from worker.engine.sampler import Sampler
 from worker.engine.threads import ThreadChooser
 from worker.layers import native
+from worker.layers.attention import PagedAttention
+from worker.layers.linear import Linear
 from worker.models.loader import LoadedModel, load_model
 
 logger = logging.getLogger(__name__)
@@ -68,11 +70,12 @@ class TorchExecutor:
         self.max_model_len = min(loaded.max_model_len, config.max_model_len or 1 << 30)
         self.vocab_size = int(hf_config.vocab_size)
         self.eos_token_ids = list(loaded.eos_token_ids)
-        all_layers = kv_bytes_per_block(hf_config, config.block_size, loaded.dtype)
+        self.kv_dtype = _kv_dtype(config, loaded)
+        all_layers = kv_bytes_per_block(hf_config, config.block_size, self.kv_dtype)
         pools = split_pools(
             window_layers(loaded.model),
             _num_blocks(config, loaded, all_layers) * all_layers,
-            per_layer_block_bytes(hf_config, config.block_size, loaded.dtype),
+            per_layer_block_bytes(hf_config, config.block_size, self.kv_dtype),
             config.block_size,
             config.max_num_seqs,
             config.max_num_batched_tokens,
@@ -124,6 +127,7 @@ class TorchExecutor:
             native_forward=self.native_kernels,
             row_attention=invariant,
             num_local_blocks=self.num_local_blocks,
+            kv_dtype=self.kv_dtype,
         )
         self.compiled = self.runner.compiled is not None
         self.deterministic_reason = _not_deterministic(config, self, loaded.device.type)
@@ -134,12 +138,14 @@ class TorchExecutor:
         self.kernels["forward"] = (
             "native" if self.runner.native_forward else "compiled" if self.compiled else "eager"
         )
+        self.kernels["kv_cache"] = str(self.kv_dtype).removeprefix("torch.")
         self._switch_threads = loaded.device.type == "cpu"
         logger.info(
-            "kv cache: %d blocks of %d tokens (%.1f MiB; sliding-window layers: %s), "
+            "kv cache: %d blocks of %d tokens in %s (%.1f MiB; sliding-window layers: %s), "
             "max_model_len %d, %s %s",
             self.num_blocks,
             config.block_size,
+            self.kernels["kv_cache"],
             self.num_blocks * self.kv_bytes_per_block / 2**20,
             f"{self.num_local_blocks} blocks of their own" if self.num_local_blocks else "shared",
             self.max_model_len,
@@ -209,6 +215,38 @@ def _num_blocks(config: EngineConfig, loaded: LoadedModel, bytes_per_block: int)
             f"({bytes_per_block} bytes each): raise LLM_KV_CACHE_SIZE_MB"
         )
     return int(num_blocks)
+
+
+def _kv_dtype(config: EngineConfig, loaded: LoadedModel) -> torch.dtype:
+    """The KV cache's dtype (`LLM_KV_CACHE_DTYPE`): float16 for a float32 model only where the
+    native row kernel, its one reader, attends every row of every layer (batch-invariant CPU
+    mode); auto picks it where quantized projections already leave float32 parity."""
+    if config.kv_cache_dtype == "model":
+        return loaded.dtype
+    served = (
+        loaded.dtype == torch.float32
+        and config.deterministic
+        and _wants_native(config, loaded.device.type, loaded.dtype)
+        and native.loaded()
+    )
+    layers = [m for m in loaded.model.modules() if isinstance(m, PagedAttention)]
+    served = served and all(
+        layer.rows_served(torch.float16, torch.float32, loaded.device) for layer in layers
+    )
+    if config.kv_cache_dtype == "float16":
+        if not served:
+            raise ValueError(
+                "LLM_KV_CACHE_DTYPE=float16 needs a float32 model on the CPU's native row "
+                "attention (LLM_DTYPE=float32 or auto on an AVX2 CPU, native kernels, "
+                "LLM_DETERMINISTIC=true, a head shape the kernel serves)"
+            )
+        return torch.float16
+    quantized = any(
+        m.quantized is not None
+        for name, m in loaded.model.named_modules()
+        if isinstance(m, Linear) and name != "lm_head"
+    )
+    return torch.float16 if served and quantized else loaded.dtype
 
 
 def _wants_native(config: EngineConfig, device: str, dtype: torch.dtype) -> bool:

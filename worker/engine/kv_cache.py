@@ -102,8 +102,9 @@ def window_layers(model: nn.Module) -> list[int | None]:
     return [m.sliding_window for m in model.modules() if isinstance(m, PagedAttention)]
 
 
-def bind_kv_cache(model: nn.Module, cache: KVCache) -> None:
-    """Give each attention layer of `model`, in order, its layer's K and V tensors."""
+def bind_kv_cache(model: nn.Module, cache: KVCache, activations: torch.dtype | None = None) -> None:
+    """Give each attention layer of `model`, in order, its layer's K and V tensors;
+    `activations`: the model's dtype where the cache's differs (`PagedAttention.bind`)."""
     layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
     if len(layers) != len(cache.k_caches):
         raise ValueError(f"model has {len(layers)} attention layers, cache {len(cache.k_caches)}")
@@ -111,7 +112,7 @@ def bind_kv_cache(model: nn.Module, cache: KVCache) -> None:
     for layer, k_cache, v_cache, is_local in zip(
         layers, cache.k_caches, cache.v_caches, local, strict=True
     ):
-        layer.bind(k_cache, v_cache, is_local)
+        layer.bind(k_cache, v_cache, is_local, activations)
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,7 @@ class ModelRunner:
         native_forward: bool = True,
         row_attention: bool = False,
         num_local_blocks: int = 0,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         self.loaded = loaded
         self.model = loaded.model
@@ -75,12 +76,12 @@ class ModelRunner:
             loaded.hf_config,
             num_blocks + 1,
             block_size,
-            loaded.dtype,
+            kv_dtype or loaded.dtype,
             loaded.device,
             local_layers,
             num_local_blocks + 1,
         )
-        bind_kv_cache(self.model, self.kv_cache)
+        bind_kv_cache(self.model, self.kv_cache, loaded.dtype)
         # CPU, bf16: the forward on Ladle's native kernels where the model has one. It fuses
         # what inductor would, at less cost per call, so only LLM_COMPILE=on compiles then.
         use_native = getattr(self.model, "use_native", None)

@@ -51,16 +51,41 @@ class PagedAttention(nn.Module):
         # This layer's handle for the custom op, as a graph input (see `Linear`); set by bind.
         self.register_buffer("layer_id", None, persistent=False)
 
-    def bind(self, k_cache: torch.Tensor, v_cache: torch.Tensor, local_pool: bool = False) -> None:
+    def bind(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        local_pool: bool = False,
+        activations: torch.dtype | None = None,
+    ) -> None:
         """Attend over (and write into) these caches from now on, on the native kernel where
         it serves them (chosen here, once); `local_pool`: they are the sliding-window pool's,
-        addressed by the step's `metadata.local`."""
+        addressed by the step's `metadata.local`; `activations`: the queries' dtype (default
+        the caches'; float32 over a float16 cache is the native kernel's alone)."""
         self.k_cache, self.v_cache = k_cache, v_cache
         self.local_pool = local_pool
         # the native row kernel takes a window as each row's first position, and soft-caps
-        self.native_rows = rows_supported(k_cache, self.num_heads)
+        activations = activations or k_cache.dtype
+        self.native_rows = self.rows_served(k_cache.dtype, activations, k_cache.device)
+        if not self.native_rows and activations != k_cache.dtype:
+            raise ValueError(
+                f"a {k_cache.dtype} KV cache for {activations} activations needs the native "
+                "row attention (LLM_KV_CACHE_DTYPE=model serves any layer)"
+            )
         self.layer_id = torch.tensor(handle_of(self))
         note_change()
+
+    def rows_served(
+        self, cache_dtype: torch.dtype, activations: torch.dtype, device: torch.device
+    ) -> bool:
+        """Whether the native row kernel attends every row of this layer over a cache of
+        `cache_dtype`: queries of its dtype, or float32 ones over float16."""
+        if activations != cache_dtype and (cache_dtype, activations) != HALF_CACHE:
+            return False
+        group = self.num_heads // self.num_kv_heads
+        return native.serves(torch.empty((), dtype=activations, device=device)) and (
+            native.attention_supported(self.head_dim, group)
+        )
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
@@ -168,10 +193,8 @@ def _sdpa(
     )
 
 
-def rows_supported(cache: torch.Tensor, num_heads: int) -> bool:
-    """Whether every row of a step can be attended by the native row kernel for this layer."""
-    group = num_heads // cache.shape[0]
-    return native.serves(cache) and native.attention_supported(cache.shape[-1], group)
+# (cache, activations): the one pair of unlike dtypes the row kernel serves
+HALF_CACHE = (torch.float16, torch.float32)
 
 
 def _decode(

@@ -138,7 +138,7 @@ def _plain_attention(layer: Any, rotary: Any, shape: tuple[Any, ...]) -> bool:
         and attn.native_rows
         and not attn.local_pool
         and attn.k_cache is not None
-        and attn.k_cache.dtype in (torch.bfloat16, torch.float32)
+        and attn.k_cache.dtype in (torch.bfloat16, torch.float32, torch.float16)
     )
 
 
@@ -157,8 +157,10 @@ def _layer_parts(
     tensors = [norm.weight for norm in norms]
     ints: list[int] = []
     attn = layer.self_attn.attn
+    # float16 caches are float32 models' (`LLM_KV_CACHE_DTYPE`): the stack's activations
+    activations = torch.float32 if attn.k_cache.dtype == torch.float16 else attn.k_cache.dtype
     for linear in _linears(layer):
-        part = _linear_part(linear, attn.k_cache.dtype)
+        part = _linear_part(linear, activations)
         if part is None:
             return None
         tensors += [part[0], part[1]]

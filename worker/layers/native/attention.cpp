@@ -1,4 +1,5 @@
-// Paged attention, one query row at a time, and the KV cache write (bf16 or float32).
+// Paged attention, one query row at a time, and the KV cache write (bf16 or float32; or
+// float16 keys and values for float32 queries, rounded as they are written).
 //
 // Every query row (a decode token, a draft being verified, or a prefill token) attends to
 // its own cached positions [start, context_len) through its own block table (start > 0 for
@@ -59,20 +60,21 @@ constexpr int64_t kKeys = 16;  // keys scored together
 // How one element type is read and written: bf16 (pairs into vdpbf16ps) or float32.
 #if defined(__AVX512BF16__)
 struct Bf16 {
-  using T = uint16_t;
+  using T = uint16_t;   // keys and values
+  using In = uint16_t;  // queries and outputs
   static constexpr int kPerChunk = 32;  // features per score step
   using Q = __m512i;
-  static Q load_q(const T* q) { return _mm512_loadu_si512(q); }
+  static Q load_q(const In* q) { return _mm512_loadu_si512(q); }
   static __m512 dot_step(__m512 acc, const T* k, Q q) {
     return _mm512_dpbf16_ps(acc, as_bh(_mm512_loadu_si512(k)), as_bh(q));
   }
   static __m512 load16(const T* v) { return bf16_to_f32(v); }
-  static void store16(T* dst, __m512 v) { store_bf16(dst, v); }
+  static void store16(In* dst, __m512 v) { store_bf16(dst, v); }
   // packed keys: a line is one feature pair of 16 keys; q's pair broadcast to every lane
   static constexpr int kStep = 2;
   using Line = __m512i;
   static Line load_line(const T* line) { return _mm512_loadu_si512(line); }
-  static __m512 line_dot(__m512 acc, Line keys, const T* q) {
+  static __m512 line_dot(__m512 acc, Line keys, const In* q) {
     return _mm512_dpbf16_ps(acc, as_bh(keys), as_bh(pair_of(q)));
   }
 };
@@ -80,16 +82,34 @@ struct Bf16 {
 
 struct F32 {
   using T = float;
+  using In = float;
   static constexpr int kPerChunk = 16;
   using Q = V16;
-  static Q load_q(const T* q) { return v_load(q); }
+  static Q load_q(const In* q) { return v_load(q); }
   static V16 dot_step(V16 acc, const T* k, Q q) { return v_fmadd(v_load(k), q, acc); }
   static V16 load16(const T* v) { return v_load(v); }
-  static void store16(T* dst, V16 v) { v_store(dst, v); }
+  static void store16(In* dst, V16 v) { v_store(dst, v); }
   static constexpr int kStep = 1;
   using Line = V16;
   static Line load_line(const T* line) { return v_load(line); }
-  static V16 line_dot(V16 acc, Line keys, const T* q) { return v_fmadd(keys, v_set1(*q), acc); }
+  static V16 line_dot(V16 acc, Line keys, const In* q) { return v_fmadd(keys, v_set1(*q), acc); }
+};
+
+// float16 keys and values for float32 queries (LLM_KV_CACHE_DTYPE): half the bytes a step
+// reads, each element widened exactly, so the sums are F32's over the rounded cache.
+struct F16 {
+  using T = uint16_t;
+  using In = float;
+  static constexpr int kPerChunk = 16;
+  using Q = V16;
+  static Q load_q(const In* q) { return v_load(q); }
+  static V16 dot_step(V16 acc, const T* k, Q q) { return v_fmadd(v_load_half(k), q, acc); }
+  static V16 load16(const T* v) { return v_load_half(v); }
+  static void store16(In* dst, V16 v) { v_store(dst, v); }
+  static constexpr int kStep = 1;  // packed as float32: [D][16], a line 16 keys' feature
+  using Line = V16;
+  static Line load_line(const T* line) { return v_load_half(line); }
+  static V16 line_dot(V16 acc, Line keys, const In* q) { return v_fmadd(keys, v_set1(*q), acc); }
 };
 
 struct Cache {
@@ -146,7 +166,7 @@ inline void prefetch_rows(const typename E::T* base, const int64_t* offs, int64_
 // scores[g][i] for the row's positions first + i < end (`offs` indexed by position), and
 // each head's maximum.
 template <class E, int D>
-void score(const typename E::T* q, int64_t q_head_stride, int G, const typename E::T* keys_base,
+void score(const typename E::In* q, int64_t q_head_stride, int G, const typename E::T* keys_base,
            const int64_t* offs, int64_t first, int64_t end, float scale, float cap,
            float* scores, float* maxes) {
   const int64_t len = end - first;
@@ -180,7 +200,7 @@ void score(const typename E::T* q, int64_t q_head_stride, int G, const typename 
 // positions first + i < end, 16 keys (one aligned run of a block) at a time. Keys of the run
 // outside [first, end) are computed and dropped.
 template <class E, int D, int N>
-void score_packed_heads(const typename E::T* q, int64_t q_head_stride,
+void score_packed_heads(const typename E::In* q, int64_t q_head_stride,
                         const typename E::T* keys_base, const int64_t* offs, int64_t first,
                         int64_t end, float scale, float cap, float* scores, int64_t len,
                         float* maxes) {
@@ -205,7 +225,7 @@ void score_packed_heads(const typename E::T* q, int64_t q_head_stride,
       const typename E::Line a = E::load_line(keys + i * kLine);
       const typename E::Line b = E::load_line(keys + (i + 1) * kLine);
       for (int n = 0; n < N; ++n) {
-        const typename E::T* qn = q + n * q_head_stride + i * E::kStep;
+        const typename E::In* qn = q + n * q_head_stride + i * E::kStep;
         even[n] = E::line_dot(even[n], a, qn);
         odd[n] = E::line_dot(odd[n], b, qn + E::kStep);
       }
@@ -234,7 +254,7 @@ void score_packed_heads(const typename E::T* q, int64_t q_head_stride,
 constexpr int kPackedHeads = 8;
 
 template <class E, int D, int N = 1>
-void score_packed(int n, const typename E::T* q, int64_t q_head_stride,
+void score_packed(int n, const typename E::In* q, int64_t q_head_stride,
                   const typename E::T* keys_base, const int64_t* offs, int64_t first,
                   int64_t end, float scale, float cap, float* scores, int64_t len, float* maxes) {
   if constexpr (N < kPackedHeads) {
@@ -273,7 +293,7 @@ constexpr int kHeadsPerPass = (24 / (D / 16)) < 1 ? 1 : (24 / (D / 16));
 template <class E, int D, int N>
 void weigh_values(const typename E::T* values_base, const int64_t* offs, int64_t first,
                   int64_t len, const float* weights, int64_t weights_stride, const float* inv,
-                  typename E::T* out, int64_t out_head_stride) {
+                  typename E::In* out, int64_t out_head_stride) {
   constexpr int V = D / 16;
   V16 acc[N][V];
   for (int g = 0; g < N; ++g)
@@ -296,7 +316,7 @@ void weigh_values(const typename E::T* values_base, const int64_t* offs, int64_t
 template <class E, int D, int N = 1>
 void weigh_values_n(int n, const typename E::T* values_base, const int64_t* offs, int64_t first,
                     int64_t len, const float* weights, int64_t weights_stride, const float* inv,
-                    typename E::T* out, int64_t out_head_stride) {
+                    typename E::In* out, int64_t out_head_stride) {
   if constexpr (N < kHeadsPerPass<D>) {
     if (n > N)
       return weigh_values_n<E, D, N + 1>(n, values_base, offs, first, len, weights,
@@ -313,8 +333,8 @@ struct Row {
 
 // One (row, KV head): G query heads of D features over cached positions [first, end).
 template <class E, int D, bool Packed>
-void attend(const typename E::T* q, int64_t q_head_stride, int G, const Cache& c, const Row& row,
-            float scale, float cap, typename E::T* out, int64_t out_head_stride,
+void attend(const typename E::In* q, int64_t q_head_stride, int G, const Cache& c, const Row& row,
+            float scale, float cap, typename E::In* out, int64_t out_head_stride,
             std::vector<float>& scores) {
   const int64_t len = row.end - row.first;
   scores.resize(static_cast<size_t>(G) * len);
@@ -341,8 +361,8 @@ void attend(const typename E::T* q, int64_t q_head_stride, int G, const Cache& c
 }
 
 template <class E>
-using AttendFn = void (*)(const typename E::T*, int64_t, int, const Cache&, const Row&, float,
-                          float, typename E::T*, int64_t, std::vector<float>&);
+using AttendFn = void (*)(const typename E::In*, int64_t, int, const Cache&, const Row&, float,
+                          float, typename E::In*, int64_t, std::vector<float>&);
 
 template <class E, bool Packed>
 AttendFn<E> attend_for(int64_t head_dim) {
@@ -370,11 +390,11 @@ void attend_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   const AttendFn<E> fn = packed ? attend_for<E, true>(D) : attend_for<E, false>(D);
   TORCH_CHECK(fn != nullptr, "head_dim ", D, " not supported (32, 64, 96, 128, 192, 256)");
   const int64_t max_blocks = tables.size(1);
-  const auto* qp = static_cast<const typename E::T*>(q.data_ptr());
+  const auto* qp = static_cast<const typename E::In*>(q.data_ptr());
   const auto* kp = static_cast<const typename E::T*>(k_cache.data_ptr());
   const auto* vp = static_cast<const typename E::T*>(v_cache.data_ptr());
   const int64_t* tp = tables.data_ptr<int64_t>();
-  auto* op = static_cast<typename E::T*>(out.data_ptr());
+  auto* op = static_cast<typename E::In*>(out.data_ptr());
   const int G = static_cast<int>(H / Hkv);
   const int64_t head_cache = k_cache.size(1) * bs * D;
   // A row's heads go together (they share its positions' offsets), except where there are
@@ -697,15 +717,22 @@ bool attention_tiles_usable() { return false; }
 #endif  // LADLE_ATTENTION_TILES
 
 void check_cache(const at::Tensor& cache, const char* name) {
+  const at::ScalarType t = cache.scalar_type();
   TORCH_CHECK(cache.dim() == 4 && cache.is_contiguous() &&
-                  (cache.scalar_type() == at::kBFloat16 || cache.scalar_type() == at::kFloat),
-              name, " must be a contiguous bf16 or float32 [kv_heads, blocks, block_size, head_dim]");
+                  (t == at::kBFloat16 || t == at::kFloat || t == at::kHalf),
+              name, " must be a contiguous bf16, float32 or float16 [kv_heads, blocks, ",
+              "block_size, head_dim]");
 }
 
-// q [R, H, D]; caches [Hkv, blocks, block_size, D] of q's type; tables [R, >= blocks used]
-// int64; context_lens [R] int64 (>= 1); starts, if given, [R] int64, each row's first
-// position (0 <= start < context_len); softcap > 0 caps the scaled scores (cap * tanh(s / cap)).
-// Returns [R, H, D].
+// The activations' dtype for a cache's: float16 caches serve float32 queries.
+at::ScalarType activations_for(const at::Tensor& cache) {
+  return cache.scalar_type() == at::kHalf ? at::kFloat : cache.scalar_type();
+}
+
+// q [R, H, D]; caches [Hkv, blocks, block_size, D] of q's type (float32 q: float32 or
+// float16); tables [R, >= blocks used] int64; context_lens [R] int64 (>= 1); starts, if
+// given, [R] int64, each row's first position (0 <= start < context_len); softcap > 0 caps
+// the scaled scores (cap * tanh(s / cap)). Returns [R, H, D].
 at::Tensor paged_attention_rows(const at::Tensor& q, const at::Tensor& k_cache,
                                 const at::Tensor& v_cache, const at::Tensor& tables,
                                 const at::Tensor& context_lens, double scale,
@@ -715,8 +742,10 @@ at::Tensor paged_attention_rows(const at::Tensor& q, const at::Tensor& k_cache,
   check_cache(v_cache, "v_cache");
   TORCH_CHECK(!packed_keys || k_cache.size(2) % 16 == 0,
               "packed keys need blocks of a multiple of 16 positions");
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == k_cache.scalar_type(),
-              "q must be [rows, heads, dim] of the cache's dtype");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(),
+              "k_cache and v_cache differ in dtype");
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == activations_for(k_cache),
+              "q must be [rows, heads, dim] of the cache's dtype (float32 for a float16 cache)");
   TORCH_CHECK(tables.dim() == 2 && tables.scalar_type() == at::kLong, "tables must be int64 2-D");
   TORCH_CHECK(context_lens.dim() == 1 && context_lens.scalar_type() == at::kLong,
               "context_lens must be int64 1-D");
@@ -760,6 +789,12 @@ at::Tensor paged_attention_rows(const at::Tensor& q, const at::Tensor& k_cache,
     return out;
   }
 #endif
+#if defined(LADLE_V16)
+  if (k_cache.scalar_type() == at::kHalf) {
+    attend_rows<F16>(qc, k_cache, v_cache, tc, first, lens, scale, softcap, packed_keys, out);
+    return out;
+  }
+#endif
 #if defined(__AVX512BF16__)
   if (q.scalar_type() == at::kBFloat16)
     attend_rows<Bf16>(qc, k_cache, v_cache, tc, first, lens, scale, softcap, packed_keys, out);
@@ -775,14 +810,23 @@ at::Tensor paged_attention_rows(const at::Tensor& q, const at::Tensor& k_cache,
   return out;
 }
 
-// Key row `src` (D elements of `size` bytes) into its lane of a packed run (see the header).
-inline void write_packed_key(const char* src, char* run, int64_t lane, int64_t D, int64_t size) {
-  if (size == 2) {  // bf16: 32-bit feature pairs, 16 lanes to a line
-    for (int64_t i = 0; i < D / 2; ++i) std::memcpy(run + (i * 16 + lane) * 4, src + i * 4, 4);
-  } else {
-    for (int64_t d = 0; d < D; ++d) std::memcpy(run + (d * 16 + lane) * 4, src + d * 4, 4);
-  }
+// Key row `src` (D elements of `size` bytes) into its lane of a packed run (see the header):
+// `pairs` (bf16) 32-bit feature pairs, else single features (float32, float16), 16 lanes a step.
+inline void write_packed_key(const char* src, char* run, int64_t lane, int64_t D, int64_t size,
+                             bool pairs) {
+  const int64_t step = pairs ? 2 * size : size;
+  for (int64_t i = 0; i < D * size / step; ++i)
+    std::memcpy(run + (i * 16 + lane) * step, src + i * step, step);
 }
+
+#if defined(__F16C__)
+// D float32 -> float16, rounded to nearest even (D % 8 == 0: every head_dim the rows serve).
+inline void to_half(const float* src, uint16_t* dst, int64_t D) {
+  for (int64_t d = 0; d < D; d += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + d),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + d), _MM_FROUND_TO_NEAREST_INT));
+}
+#endif
 
 // Value row `src` (D bf16) into its position of a packed run (see "Packed values" above).
 inline void write_packed_value(const uint16_t* src, uint16_t* run, int64_t lane, int64_t D) {
@@ -791,7 +835,7 @@ inline void write_packed_value(const uint16_t* src, uint16_t* run, int64_t lane,
 }
 
 // k, v [T, Hkv, D] into slot slots[t] of every head's cache (keys packed, values packed: see
-// the header and the tiles' notes).
+// the header and the tiles' notes); float32 k and v into a float16 cache are rounded to it.
 void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
               const at::Tensor& slots, bool packed_keys, bool packed_values) {
   check_cache(k_cache, "k_cache");
@@ -806,8 +850,14 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
                   (k_cache.size(2) % 16 == 0 && D % 16 == 0 && dtype == at::kBFloat16),
               "packed values need bf16, blocks of a multiple of 16 positions, head_dim % 16 == 0");
   TORCH_CHECK(k.dim() == 3 && k.size(1) == Hkv && k.size(2) == D && v.sizes() == k.sizes() &&
-                  k.scalar_type() == dtype && v.scalar_type() == dtype,
-              "k and v must be [tokens, kv_heads, head_dim] of the cache's shape and dtype");
+                  k.scalar_type() == activations_for(k_cache) && v.scalar_type() == k.scalar_type(),
+              "k and v must be [tokens, kv_heads, head_dim] of the cache's shape and dtype "
+              "(float32 for a float16 cache)");
+  const bool narrow = dtype == at::kHalf;
+#if !defined(__F16C__)
+  TORCH_CHECK(!narrow, "a float16 cache needs F16C (built without it)");
+#endif
+  TORCH_CHECK(!narrow || D % 8 == 0, "a float16 cache needs head_dim % 8 == 0");
   TORCH_CHECK(slots.dim() == 1 && slots.size(0) == T && slots.scalar_type() == at::kLong,
               "one int64 slot per token");
   // k and v may be views of the fused qkv output: rows strided, each row's heads contiguous
@@ -819,30 +869,39 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot ", sp[t], " out of range");
   const int64_t size = static_cast<int64_t>(k_cache.element_size());
+  const int64_t in_size = static_cast<int64_t>(kc.element_size());
+  const bool pairs = dtype == at::kBFloat16;
   const auto* ks = static_cast<const char*>(kc.data_ptr());
   const auto* vs = static_cast<const char*>(vc.data_ptr());
   auto* kd = static_cast<char*>(k_cache.data_ptr());
   auto* vd = static_cast<char*>(v_cache.data_ptr());
   const size_t row = static_cast<size_t>(D * size);
-  const int64_t k_row = kc.stride(0) * size, v_row = vc.stride(0) * size;
+  const int64_t k_row = kc.stride(0) * in_size, v_row = vc.stride(0) * in_size;
   at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+    std::vector<uint16_t> halves(narrow ? 2 * D : 0);
     for (int64_t t = begin; t < end; ++t)
       for (int64_t h = 0; h < Hkv; ++h) {
+        const char* key = ks + t * k_row + h * D * in_size;
+        const char* value = vs + t * v_row + h * D * in_size;
+#if defined(__F16C__)
+        if (narrow) {
+          to_half(reinterpret_cast<const float*>(key), halves.data(), D);
+          to_half(reinterpret_cast<const float*>(value), halves.data() + D, D);
+          key = reinterpret_cast<const char*>(halves.data());
+          value = reinterpret_cast<const char*>(halves.data() + D);
+        }
+#endif
         const int64_t at_slot = (h * num_slots + sp[t]) * D * size;
-        if (packed_keys) {  // runs of 16 slots start at multiples of 16 (blocks are)
-          const int64_t lane = sp[t] % 16;
-          write_packed_key(ks + t * k_row + h * D * size, kd + at_slot - lane * D * size, lane, D,
-                           size);
-        } else {
-          std::memcpy(kd + at_slot, ks + t * k_row + h * D * size, row);
-        }
-        if (packed_values) {
-          const int64_t lane = sp[t] % 16;
-          write_packed_value(reinterpret_cast<const uint16_t*>(vs + t * v_row + h * D * size),
+        const int64_t lane = sp[t] % 16;  // runs of 16 slots start at multiples of 16 (blocks do)
+        if (packed_keys)
+          write_packed_key(key, kd + at_slot - lane * D * size, lane, D, size, pairs);
+        else
+          std::memcpy(kd + at_slot, key, row);
+        if (packed_values)
+          write_packed_value(reinterpret_cast<const uint16_t*>(value),
                              reinterpret_cast<uint16_t*>(vd + at_slot - lane * D * size), lane, D);
-        } else {
-          std::memcpy(vd + at_slot, vs + t * v_row + h * D * size, row);
-        }
+        else
+          std::memcpy(vd + at_slot, value, row);
       }
   });
 }

@@ -43,7 +43,8 @@ struct Stack {
   at::Tensor cos, sin;
   int64_t num_heads = 0, num_kv_heads = 0, head_dim = 0;
   double eps = 0.0, scale = 0.0;
-  bool f32 = false;          // float32 caches, weights and activations
+  bool f32 = false;          // float32 weights and activations (float32 or float16 caches)
+  at::ScalarType cache_dtype = at::kBFloat16;
   bool packed_keys = false;  // the caches' keys packed (attention.cpp's header)
   bool tiles = false;        // attention on the AMX tiles, values packed (attention.cpp)
 };
@@ -157,9 +158,10 @@ int64_t stack_create(const std::vector<at::Tensor>& tensors, const std::vector<i
     layer.down = linear_from(tensors, t + 8, n + 6);
     layer.k_cache = tensors[t + 10];
     layer.v_cache = tensors[t + 11];
-    if (i == 0) stack->f32 = layer.k_cache.scalar_type() == at::kFloat;
-    TORCH_CHECK((layer.k_cache.scalar_type() == at::kFloat) == stack->f32,
+    if (i == 0) stack->cache_dtype = layer.k_cache.scalar_type();
+    TORCH_CHECK(layer.k_cache.scalar_type() == stack->cache_dtype,
                 "stack_create: every layer's cache must have one dtype");
+    stack->f32 = stack->cache_dtype != at::kBFloat16;  // a float16 cache: float32 activations
     for (const Linear* l : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down})
       TORCH_CHECK((l->kind == kF32 || l->kind == kInt4F32) == stack->f32,
                   "stack_create: a linear's kind does not match the cache's dtype");
