@@ -11,6 +11,8 @@ streaming /v1/completions, random token-id prompts, greedy, ignore_eos):
                and the default lm_head (`auto`: int8, the file's Q8_0 head);
   ladle-4bit-bf16head  ladle-4bit with LLM_LM_HEAD_QUANTIZATION=none (not in the default set);
   ladle-4bit-int8head  ladle-4bit with LLM_LM_HEAD_QUANTIZATION=int8 (not in the default set);
+  ladle-4bit-kvmodel   ladle-4bit with LLM_KV_CACHE_DTYPE=model (not in the default set: a
+               float32 KV cache where the 4-bit model computes in float32, on AVX2 CPUs);
   vllm         vLLM-CPU in bf16 on the converted directory (`loadtest.vs_vllm`'s venv);
   llama-server llama.cpp's own server on the GGUF, built from source (`loadtest.llama_server`),
                with one slot per client of the highest level and continuous batching.
@@ -43,7 +45,7 @@ from loadtest.workload import LevelResult, Workload
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = {"chat": (128, 128), "rag": (2048, 128), "long": (128, 1024)}
 SERVERS = ("ladle", "ladle-4bit", "vllm", "llama-server")
-EXTRA_SERVERS = ("ladle-4bit-int8head", "ladle-4bit-bf16head")
+EXTRA_SERVERS = ("ladle-4bit-int8head", "ladle-4bit-bf16head", "ladle-4bit-kvmodel")
 
 
 def workload_for(shape: str, concurrency: int, vocab_size: int) -> Workload:
@@ -84,6 +86,8 @@ def started(server: str, args, gguf: Path, hf_dir: Path, max_level: int) -> Iter
             env["LLM_LM_HEAD_QUANTIZATION"] = "int8"
         elif server == "ladle-4bit-bf16head":
             env["LLM_LM_HEAD_QUANTIZATION"] = "none"
+        elif server == "ladle-4bit-kvmodel":
+            env["LLM_KV_CACHE_DTYPE"] = "model"
         with running_service(1, model=str(gguf), extra_env=env) as url:
             yield url
     elif server == "vllm":
