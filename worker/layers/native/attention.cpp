@@ -57,7 +57,8 @@ using namespace ladle;
 constexpr int kMaxGroup = 16;  // query heads per KV head
 constexpr int64_t kKeys = 16;  // keys scored together
 
-// How one element type is read and written: bf16 (pairs into vdpbf16ps) or float32.
+// How one element type is read and written: bf16 (pairs into vdpbf16ps), float32, or float16
+// keys and values for float32 queries (`T` the cache's element, `In` the queries' and output's).
 #if defined(__AVX512BF16__)
 struct Bf16 {
   using T = uint16_t;   // keys and values
@@ -95,21 +96,14 @@ struct F32 {
   static V16 line_dot(V16 acc, Line keys, const In* q) { return v_fmadd(keys, v_set1(*q), acc); }
 };
 
-// float16 keys and values for float32 queries (LLM_KV_CACHE_DTYPE): half the bytes a step
-// reads, each element widened exactly, so the sums are F32's over the rounded cache.
-struct F16 {
+// float16 keys and values for float32 queries (LLM_KV_CACHE_DTYPE): F32 but for the loads,
+// half the bytes a step reads, each element widened exactly, so the sums are F32's over the
+// rounded cache. Keys pack as float32's: [D][16], a line 16 keys' feature.
+struct F16 : F32 {
   using T = uint16_t;
-  using In = float;
-  static constexpr int kPerChunk = 16;
-  using Q = V16;
-  static Q load_q(const In* q) { return v_load(q); }
   static V16 dot_step(V16 acc, const T* k, Q q) { return v_fmadd(v_load_half(k), q, acc); }
   static V16 load16(const T* v) { return v_load_half(v); }
-  static void store16(In* dst, V16 v) { v_store(dst, v); }
-  static constexpr int kStep = 1;  // packed as float32: [D][16], a line 16 keys' feature
-  using Line = V16;
   static Line load_line(const T* line) { return v_load_half(line); }
-  static V16 line_dot(V16 acc, Line keys, const In* q) { return v_fmadd(keys, v_set1(*q), acc); }
 };
 
 struct Cache {
