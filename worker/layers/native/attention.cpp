@@ -285,9 +285,9 @@ constexpr int kHeadsPerPass = (24 / (D / 16)) < 1 ? 1 : (24 / (D / 16));
 // out[g] = inv[g] * sum_p w[g][p] v[p] for N heads at once (each value read and widened once
 // for all of them); per head and feature one FMA chain over positions in order.
 // `by_chunk` (AVX2, values already in cache): one 16-feature chunk of every head per pass over
-// the positions instead, so that the sums stay in 16 ymm rather than spilling at every FMA:
-// the same chains (a prefill's rows x0.74-0.83), but each value is read D / 16 times, which
-// costs a decode row whose values come from memory (x1.04-1.21).
+// the positions instead, so that the sums stay in 16 ymm rather than spilling at every FMA;
+// the same chains, but each value is read D / 16 times, which slows a decode row whose values
+// come from memory (docs/benchmarks.md).
 template <class E, int D, int N>
 void weigh_values(const typename E::T* values_base, const int64_t* offs, int64_t first,
                   int64_t len, const float* weights, int64_t weights_stride, const float* inv,
