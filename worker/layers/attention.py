@@ -83,8 +83,8 @@ class PagedAttention(nn.Module):
         if activations != cache_dtype and (cache_dtype, activations) != HALF_CACHE:
             return False
         group = self.num_heads // self.num_kv_heads
-        return native.serves(torch.empty((), dtype=activations, device=device)) and (
-            native.attention_supported(self.head_dim, group)
+        return native.serves_dtype(activations, device) and native.attention_supported(
+            self.head_dim, group
         )
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

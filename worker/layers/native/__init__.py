@@ -426,9 +426,14 @@ _SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 def serves(t: torch.Tensor) -> bool:
     """Whether the fused small ops (and so the layer stack) serve a model whose weights are
     like t: on CPU, in bf16 with the bf16 kernels, in float32 with any native kernels."""
-    if t.device.type != "cpu":
+    return serves_dtype(t.dtype, t.device)
+
+
+def serves_dtype(dtype: torch.dtype, device: torch.device) -> bool:
+    """`serves` for activations of `dtype` on `device`, without a tensor of them."""
+    if device.type != "cpu":
         return False
-    return bf16() if t.dtype == torch.bfloat16 else t.dtype == torch.float32 and loaded()
+    return bf16() if dtype == torch.bfloat16 else dtype == torch.float32 and loaded()
 
 
 @functools.cache
