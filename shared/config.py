@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from functools import lru_cache
+from pathlib import Path
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
@@ -320,7 +321,7 @@ def preload_allocator() -> None:
         env = allocator_env(os.environ, Settings().malloc)
     except ValueError:  # invalid settings: the command line reports them, on glibc malloc
         return
-    if env.get("LD_PRELOAD") == os.environ.get("LD_PRELOAD"):
+    if all(env.get(name) == os.environ.get(name) for name in ("LD_PRELOAD", "MALLOC_CONF")):
         return
     import sys
 
@@ -330,21 +331,35 @@ def preload_allocator() -> None:
         print(f"could not re-exec with {env['LD_PRELOAD']} preloaded: {exc}", file=sys.stderr)
 
 
+# jemalloc serves requests of 8 MiB and up (a 64-sequence step's logits) from an arena that
+# hands freed pages back at once, so each step faulted them in again (docs/benchmarks.md)
+JEMALLOC_CONF = "oversize_threshold:0"
+
+
 def allocator_env(env: Mapping[str, str], setting: str) -> dict[str, str]:
     """`env` with the allocator for `LLM_MALLOC` = `setting` first in `LD_PRELOAD` (as it is
-    where it is there already or none applies). A launcher that starts workers with it spares
-    each its re-exec (a second interpreter start and settings import)."""
+    where it is there already or none applies), and jemalloc's options unless the operator set
+    `MALLOC_CONF`. A launcher that starts workers with it spares each its re-exec (a second
+    interpreter start and settings import)."""
     library = allocator_library(setting)
     preloaded = env.get("LD_PRELOAD", "")
-    if library is None or library in preloaded.split(":"):
-        return dict(env)
-    return dict(env, LD_PRELOAD=":".join(filter(None, [library, preloaded])))
+    out = dict(env)
+    if library is None:
+        return out
+    if library not in preloaded.split(":"):
+        out["LD_PRELOAD"] = ":".join(filter(None, [library, preloaded]))
+    if "jemalloc" in Path(library).name:
+        out.setdefault("MALLOC_CONF", JEMALLOC_CONF)
+    return out
 
 
 def active_allocator() -> str:
     """What `preload_allocator` left in effect, for the start-up log."""
     preloaded = [lib for lib in os.environ.get("LD_PRELOAD", "").split(":") if "alloc" in lib]
-    return f"{preloaded[0]} (preloaded)" if preloaded else "glibc malloc"
+    if not preloaded:
+        return "glibc malloc"
+    conf = os.environ.get("MALLOC_CONF")
+    return f"{preloaded[0]} (preloaded" + (f", MALLOC_CONF={conf})" if conf else ")")
 
 
 def openmp_settings() -> dict[str, str | None]:

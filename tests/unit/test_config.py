@@ -7,9 +7,11 @@ import dataclasses
 from pathlib import Path
 
 from shared.config import (
+    JEMALLOC_CONF,
     OPENMP_SPIN_DEFAULTS,
     Settings,
     active_allocator,
+    allocator_env,
     allocator_library,
     apply_openmp_defaults,
     openmp_settings,
@@ -116,6 +118,18 @@ def test_the_allocator_setting(monkeypatch) -> None:
     assert allocator_library("auto") is None  # none installed: glibc's malloc
 
 
+def test_allocator_env_sets_jemallocs_options_unless_the_operator_did(monkeypatch) -> None:
+    jemalloc = "/usr/lib/libjemalloc.so.2"
+    env = allocator_env({"PATH": "/bin"}, jemalloc)
+    assert env == {"PATH": "/bin", "LD_PRELOAD": jemalloc, "MALLOC_CONF": JEMALLOC_CONF}
+    assert allocator_env(env, jemalloc) == env  # preloaded already: as it was
+    mine = {"LD_PRELOAD": jemalloc, "MALLOC_CONF": "narenas:2"}
+    assert allocator_env(mine, jemalloc) == mine
+    tcmalloc = allocator_env({}, "/usr/lib/libtcmalloc_minimal.so.4")
+    assert "MALLOC_CONF" not in tcmalloc  # jemalloc's options only
+    assert allocator_env({"PATH": "/bin"}, "system") == {"PATH": "/bin"}
+
+
 def test_preload_allocator_reexecs_once_with_the_library(monkeypatch) -> None:
     import os
 
@@ -126,9 +140,12 @@ def test_preload_allocator_reexecs_once_with_the_library(monkeypatch) -> None:
     preload_allocator()
     assert calls == ["/opt/lib/libjemalloc.so.2:/opt/lib/other.so"]
     monkeypatch.setenv("LD_PRELOAD", calls[0])  # what the re-exec'd process sees
+    monkeypatch.setenv("MALLOC_CONF", JEMALLOC_CONF)
     preload_allocator()
     assert len(calls) == 1  # already preloaded: no second exec
-    assert active_allocator() == "/opt/lib/libjemalloc.so.2 (preloaded)"
+    assert active_allocator() == (
+        f"/opt/lib/libjemalloc.so.2 (preloaded, MALLOC_CONF={JEMALLOC_CONF})"
+    )
     monkeypatch.setenv("LLM_MALLOC", "system")
     monkeypatch.delenv("LD_PRELOAD")
     preload_allocator()
