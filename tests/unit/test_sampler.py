@@ -10,7 +10,7 @@ import torch
 
 from worker.engine.core.request import Request
 from worker.engine.core.sampling_params import SamplingParams
-from worker.engine.sampler import Sampler, _top_k_top_p
+from worker.engine.sampler import Sampler, _top_k_top_p, first_max
 
 torch.set_num_threads(1)
 
@@ -248,3 +248,20 @@ def test_logprobs_from_raw_logits() -> None:
 def test_row_count_mismatch_raises() -> None:
     with pytest.raises(ValueError):
         Sampler().sample(random_logits(2), [make_request()])
+
+
+def test_first_max_is_argmax_on_ties_nans_and_signed_zeros() -> None:
+    generator = torch.Generator().manual_seed(0)
+    threads = torch.get_num_threads()
+    try:
+        for num_threads in (1, 2):
+            torch.set_num_threads(num_threads)
+            for rows in (1, 3, 64):
+                # few distinct values: every row has many tied maxima
+                values = torch.randint(-3, 4, (rows, 4099), generator=generator).float()
+                values[values == 0] = -0.0
+                assert torch.equal(first_max(values), values.argmax(dim=-1))
+                values[torch.rand(values.shape, generator=generator) < 0.001] = float("nan")
+                assert torch.equal(first_max(values), values.argmax(dim=-1))
+    finally:
+        torch.set_num_threads(threads)
