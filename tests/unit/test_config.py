@@ -118,7 +118,7 @@ def test_the_allocator_setting(monkeypatch) -> None:
     assert allocator_library("auto") is None  # none installed: glibc's malloc
 
 
-def test_allocator_env_sets_jemallocs_options_unless_the_operator_did(monkeypatch) -> None:
+def test_allocator_env_sets_jemallocs_options_unless_the_operator_did() -> None:
     jemalloc = "/usr/lib/libjemalloc.so.2"
     env = allocator_env({"PATH": "/bin"}, jemalloc)
     assert env == {"PATH": "/bin", "LD_PRELOAD": jemalloc, "MALLOC_CONF": JEMALLOC_CONF}

@@ -156,7 +156,7 @@ class Sampler:
 
 def first_max(values: torch.Tensor) -> torch.Tensor:
     """Each row's argmax: its first largest value (a NaN counts as largest), as
-    `argmax(dim=-1)` gives it, from `max`'s vectorized kernel: 2.5-3x faster on CPU."""
+    `argmax(dim=-1)` gives it, from `max`'s kernel, the faster one on CPU (docs/benchmarks.md)."""
     return values.max(dim=-1).indices
 
 
