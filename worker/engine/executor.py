@@ -26,7 +26,7 @@ from worker.engine.sampler import Sampler
 from worker.engine.threads import ThreadChooser
 from worker.layers import native
 from worker.layers.attention import PagedAttention
-from worker.layers.linear import Linear
+from worker.layers.linear import has_quantized_projections
 from worker.models.loader import LoadedModel, load_model
 
 logger = logging.getLogger(__name__)
@@ -241,11 +241,7 @@ def _kv_dtype(config: EngineConfig, loaded: LoadedModel) -> torch.dtype:
                 "LLM_DETERMINISTIC=true, a head shape the kernel serves)"
             )
         return torch.float16
-    quantized = any(
-        m.quantized is not None
-        for name, m in loaded.model.named_modules()
-        if isinstance(m, Linear) and name != "lm_head"
-    )
+    quantized = has_quantized_projections(loaded.model)
     return torch.float16 if served and quantized else loaded.dtype
 
 

@@ -44,6 +44,7 @@ class PagedAttention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         self.native_rows = False  # rows on the native kernel: chosen at `bind`
+        self.activations: torch.dtype | None = None  # the queries' dtype: set at `bind`
         # keys packed for the row kernel (every row of every step on it: the runner's choice)
         self.packed_keys = False
         self.tiles = False  # on the AMX tiles (packed keys, bf16): the runner's choice too
@@ -66,6 +67,7 @@ class PagedAttention(nn.Module):
         self.local_pool = local_pool
         # the native row kernel takes a window as each row's first position, and soft-caps
         activations = activations or k_cache.dtype
+        self.activations = activations
         self.native_rows = self.rows_served(k_cache.dtype, activations, k_cache.device)
         if not self.native_rows and activations != k_cache.dtype:
             raise ValueError(

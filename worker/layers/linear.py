@@ -174,6 +174,15 @@ def head_sources(
         yield name, tensor
 
 
+def has_quantized_projections(model: nn.Module) -> bool:
+    """Whether any projection other than the lm_head is served quantized."""
+    return any(
+        isinstance(module, Linear) and module.quantized is not None
+        for name, module in model.named_modules()
+        if name != "lm_head"
+    )
+
+
 def quantize_lm_head(
     model: nn.Module, mode: str, sources: dict[str, torch.Tensor] | None = None
 ) -> bool:
@@ -192,10 +201,7 @@ def quantize_lm_head(
     if mode not in LM_HEAD_MODES:
         raise ValueError(f"unknown lm_head quantization {mode!r}; use {', '.join(LM_HEAD_MODES)}")
     head = getattr(model, "lm_head", None)
-    projections = any(
-        isinstance(module, Linear) and module.quantized is not None for module in model.modules()
-    )
-    wanted = mode == "int8" or (mode == "auto" and projections)
+    wanted = mode == "int8" or (mode == "auto" and has_quantized_projections(model))
     if not wanted or not isinstance(head, Linear) or head.quantized is not None:
         return False
     weight = head.weight

@@ -157,10 +157,8 @@ def _layer_parts(
     tensors = [norm.weight for norm in norms]
     ints: list[int] = []
     attn = layer.self_attn.attn
-    # float16 caches are float32 models' (`LLM_KV_CACHE_DTYPE`): the stack's activations
-    activations = torch.float32 if attn.k_cache.dtype == torch.float16 else attn.k_cache.dtype
     for linear in _linears(layer):
-        part = _linear_part(linear, activations)
+        part = _linear_part(linear, attn.activations)
         if part is None:
             return None
         tensors += [part[0], part[1]]
