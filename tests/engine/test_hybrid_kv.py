@@ -5,6 +5,7 @@ pools free afterwards."""
 
 from __future__ import annotations
 
+import gc
 from dataclasses import replace
 from pathlib import Path
 
@@ -109,3 +110,13 @@ def test_the_cpu_cache_starts_zeroed_and_writable() -> None:
     assert cache.is_contiguous() and not cache.any()
     cache[1, 2] = 1.5
     assert cache.sum().item() == 1.5 * 20
+
+
+def test_the_cpu_cache_starts_on_a_huge_page_boundary_and_outlives_its_views() -> None:
+    cache = zeroed((3, 1000, 64), torch.float32, torch.device("cpu"))
+    assert cache.data_ptr() % (2 << 20) == 0  # the pool can lie in 2 MiB pages
+    layer = cache[2]
+    del cache
+    gc.collect()
+    layer.fill_(2.0)
+    assert layer.sum().item() == 2.0 * 1000 * 64

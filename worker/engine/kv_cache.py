@@ -8,11 +8,12 @@ head.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import mmap
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -88,13 +89,24 @@ def allocate_kv_cache(
     return KVCache(k_caches, v_caches, num_blocks, block_size, local_layers, num_local_blocks)
 
 
+_HUGE_PAGE = 2 << 20
+
+
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """`torch.zeros`, but on the CPU from calloc's fresh pages, which the kernel zeroes as
-    they are first touched: zero-filling 512 MB up front cost 0.3-1.3 s of every start."""
+    """`torch.zeros`, but on the CPU from fresh anonymous pages, which the kernel zeroes as
+    they are first touched (zero-filling 512 MB up front cost 0.3-1.3 s of every start), in
+    2 MiB pages where the kernel has transparent huge pages: a served pool's blocks lie
+    anywhere in it, and on 4 KiB pages a decode step's attention over scattered blocks took
+    1.5x as long (docs/benchmarks.md)."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    raw = torch.from_numpy(np.zeros(math.prod(shape) * dtype.itemsize, dtype=np.uint8))
-    return raw.view(dtype).view(shape)
+    nbytes = math.prod(shape) * dtype.itemsize
+    region = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(AttributeError, OSError):  # no THP here: 4 KiB pages
+        region.madvise(mmap.MADV_HUGEPAGE)
+    raw = torch.frombuffer(region, dtype=torch.uint8)  # keeps the mapping alive
+    skip = -raw.data_ptr() % _HUGE_PAGE
+    return raw[skip : skip + nbytes].view(dtype).view(shape)
 
 
 def window_layers(model: nn.Module) -> list[int | None]:
