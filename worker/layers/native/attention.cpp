@@ -144,17 +144,32 @@ inline V16 softcap_ps(V16 x, float cap) {
   return v_mul(t, v_set1(cap));
 }
 
-// The cache rows of positions [from, min(from + kKeys, end)) on their way into cache: a row's
-// blocks lie anywhere in the cache, where the hardware prefetcher cannot follow, and a step's
-// caches are larger than the last-level cache.
+// How far ahead a row's keys and values are fetched, and into which cache: a row's blocks lie
+// anywhere in the cache (a served pool's free list is out of order), where the hardware
+// prefetcher cannot follow, and a step's caches are larger than the last-level cache. Into L2
+// (`prefetch_level`, measured per machine in gemm.h) whole runs of 16 positions go 4 runs
+// ahead, as the L2 keeps more misses in flight; into L1 the next run (docs/benchmarks.md).
+struct Ahead {
+  bool l2;
+  int64_t positions;
+};
+
+inline Ahead prefetch_ahead() {
+  const bool l2 = prefetch_level.load(std::memory_order_relaxed) != 0;
+  return {l2, l2 ? 4 * kKeys : kKeys};
+}
+
+inline void prefetch_lines(const void* at, int64_t lines, bool l2) {
+  for (int64_t l = 0; l < lines; ++l) prefetch_line(static_cast<const char*>(at) + 64 * l, l2);
+}
+
+// The cache rows of positions [from, min(from + count, end)) on their way into cache.
 template <class E, int D>
 inline void prefetch_rows(const typename E::T* base, const int64_t* offs, int64_t from,
-                          int64_t end) {
+                          int64_t end, bool l2, int64_t count = kKeys) {
   constexpr int64_t kLines = (D * sizeof(typename E::T) + 63) / 64;
-  const int64_t stop = end - from < kKeys ? end : from + kKeys;
-  for (int64_t p = from; p < stop; ++p)
-    for (int64_t l = 0; l < kLines; ++l)
-      _mm_prefetch(reinterpret_cast<const char*>(base + offs[p]) + 64 * l, _MM_HINT_T0);
+  const int64_t stop = end - from < count ? end : from + count;
+  for (int64_t p = from; p < stop; ++p) prefetch_lines(base + offs[p], kLines, l2);
 }
 
 // scores[g][i] for the row's positions first + i < end (`offs` indexed by position), and
@@ -171,11 +186,13 @@ void score(const typename E::In* q, int64_t q_head_stride, int G, const typename
     maxes[g] = -INFINITY;
   }
   const typename E::T* keys[kKeys];
+  const Ahead ahead = prefetch_ahead();
+  prefetch_rows<E, D>(keys_base, offs, first + kKeys, end, ahead.l2, ahead.positions - kKeys);
   for (int64_t p0 = 0; p0 < len; p0 += kKeys) {
     const int64_t n = len - p0 < kKeys ? len - p0 : kKeys;
     for (int64_t j = 0; j < kKeys; ++j)  // past the end: the last key again, ignored
       keys[j] = keys_base + offs[first + p0 + (j < n ? j : n - 1)];
-    prefetch_rows<E, D>(keys_base, offs, first + p0 + kKeys, first + len);
+    prefetch_rows<E, D>(keys_base, offs, first + p0 + ahead.positions, end, ahead.l2);
     for (int g = 0; g < G; ++g) {
       V16 acc[kKeys];
       for (int64_t j = 0; j < kKeys; ++j) {
@@ -201,17 +218,20 @@ void score_packed_heads(const typename E::In* q, int64_t q_head_stride,
   constexpr int kSteps = D / E::kStep;
   constexpr int64_t kLine = kKeys * E::kStep;  // elements per line
   constexpr int64_t kRunLines = kSteps * kLine * sizeof(typename E::T) / 64;
-  constexpr int64_t kPrefetchLines = kRunLines < 4 ? kRunLines : 4;
+  // into L1 the next run's first lines (the rest streams on its own: every line measured no
+  // faster there), into L2 whole runs
+  const Ahead ahead = prefetch_ahead();
+  const int64_t lines = ahead.l2 || kRunLines < 4 ? kRunLines : 4;
+  const int64_t start = first - first % kKeys;
+  for (int64_t run = start + kKeys; run < start + ahead.positions && run < end;
+       run += kKeys)
+    prefetch_lines(keys_base + offs[run], lines, ahead.l2);
   for (int n = 0; n < N; ++n) maxes[n] = -INFINITY;
   alignas(64) float lanes[kKeys];
-  for (int64_t run = first - first % kKeys; run < end; run += kKeys) {
+  for (int64_t run = start; run < end; run += kKeys) {
     const typename E::T* keys = keys_base + offs[run];
-    // the next run's first lines while this one computes (a run lies anywhere in the cache);
-    // the rest streams on its own: prefetching every line measured no faster
-    if (run + kKeys < end)
-      for (int64_t l = 0; l < kPrefetchLines; ++l)
-        _mm_prefetch(reinterpret_cast<const char*>(keys_base + offs[run + kKeys]) + 64 * l,
-                     _MM_HINT_T0);
+    if (run + ahead.positions < end)
+      prefetch_lines(keys_base + offs[run + ahead.positions], lines, ahead.l2);
     V16 even[N], odd[N];
     for (int n = 0; n < N; ++n) even[n] = odd[n] = v_zero();
     static_assert(kSteps % 2 == 0, "an even number of feature steps");
@@ -312,14 +332,18 @@ void weigh_values(const typename E::T* values_base, const int64_t* offs, int64_t
   V16 acc[N][V];
   for (int g = 0; g < N; ++g)
     for (int i = 0; i < V; ++i) acc[g][i] = v_zero();
-  for (int64_t p = 0; p < len; ++p) {
-    if (p % kKeys == 0) prefetch_rows<E, D>(values_base, offs, first + p + kKeys, first + len);
-    const typename E::T* value = values_base + offs[first + p];
-    V16 v[V];
-    for (int i = 0; i < V; ++i) v[i] = E::load16(value + 16 * i);
-    for (int g = 0; g < N; ++g) {
-      const V16 w = v_set1(weights[g * weights_stride + p]);
-      for (int i = 0; i < V; ++i) acc[g][i] = v_fmadd(w, v[i], acc[g][i]);
+  const Ahead ahead = prefetch_ahead();
+  for (int64_t run = 0; run < len; run += kKeys) {
+    prefetch_rows<E, D>(values_base, offs, first + run + ahead.positions, first + len, ahead.l2);
+    const int64_t stop = len - run < kKeys ? len : run + kKeys;
+    for (int64_t p = run; p < stop; ++p) {
+      const typename E::T* value = values_base + offs[first + p];
+      V16 v[V];
+      for (int i = 0; i < V; ++i) v[i] = E::load16(value + 16 * i);
+      for (int g = 0; g < N; ++g) {
+        const V16 w = v_set1(weights[g * weights_stride + p]);
+        for (int i = 0; i < V; ++i) acc[g][i] = v_fmadd(w, v[i], acc[g][i]);
+      }
     }
   }
   for (int g = 0; g < N; ++g)
@@ -356,7 +380,8 @@ void attend(const typename E::In* q, int64_t q_head_stride, int G, const Cache& 
   float maxes[kMaxGroup], inv[kMaxGroup];
   const auto* keys = static_cast<const typename E::T*>(c.k);
   const auto* values = static_cast<const typename E::T*>(c.v);
-  prefetch_rows<E, D>(values, row.offs, row.first, row.end);  // read after the scores
+  const Ahead ahead = prefetch_ahead();  // the values are read after the scores
+  prefetch_rows<E, D>(values, row.offs, row.first, row.end, ahead.l2, ahead.positions);
   if constexpr (Packed) {
     for (int g = 0; g < G; g += kPackedHeads) {
       const int n = G - g < kPackedHeads ? G - g : kPackedHeads;

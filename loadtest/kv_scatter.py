@@ -1,0 +1,88 @@
+"""Decode attention over a served pool's block order: a sequence's blocks in order, in
+descending runs (how a freed sequence's blocks come back off the free list) or scattered.
+
+    .venv/bin/python -m loadtest.kv_scatter [--context 256 1024] [--rows 1 16 64]
+        [--threads 2] [--rounds 40]
+
+Thirty layers of SmolLM2-135M's attention (9 query heads, 3 KV heads, head_dim 64, blocks of
+16), each layer its own 2 GiB-sized pool of packed bf16 keys and values (float32 where the
+CPU lacks the bf16 kernels), so a step reads its caches from memory as the engine's does.
+Each row gets fresh blocks per call. Pools come from `kv_cache.zeroed` (2 MiB pages where the
+kernel offers them, as the engine allocates) and from `torch.zeros` (4 KiB pages). Reported:
+the median ms of one step's 30 layers per order and pool, rounds alternating.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+from worker.engine.kv_cache import zeroed
+from worker.layers import native
+
+LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
+ORDERS = ("ordered", "descending", "scattered")
+
+
+def block_rows(order: str, rows: int, blocks: int, pool: int, rng: random.Random) -> list:
+    tables = []
+    for _ in range(rows):
+        start = rng.randrange(pool - blocks)
+        if order == "ordered":
+            tables.append(list(range(start, start + blocks)))
+        elif order == "descending":
+            tables.append(list(range(start + blocks - 1, start - 1, -1)))
+        else:
+            tables.append(rng.sample(range(pool), blocks))
+    return tables
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--context", type=int, nargs="+", default=[256, 1024])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--pool-gib", type=float, default=2.0)
+    args = parser.parse_args()
+    native.load()
+    torch.set_num_threads(args.threads)
+    dtype = torch.bfloat16 if native.bf16() else torch.float32
+    layer_bytes = 2 * KV_HEADS * BLOCK * HEAD_DIM * dtype.itemsize
+    pool = int(args.pool_gib * 2**30) // (LAYERS * layer_bytes)
+    shape = (2, KV_HEADS, pool, BLOCK, HEAD_DIM)
+    pools = {
+        "2 MiB pages": [zeroed(shape, dtype, torch.device("cpu")) for _ in range(LAYERS)],
+        "4 KiB pages": [torch.zeros(shape, dtype=dtype) for _ in range(LAYERS)],
+    }
+    for layers in pools.values():
+        for cache in layers:
+            cache.normal_()
+    print(f"{dtype}, {pool} blocks a layer, {args.threads} threads")
+    rng = random.Random(0)
+    for context in args.context:
+        for rows in args.rows:
+            q = torch.randn(rows, HEADS, HEAD_DIM).to(dtype)
+            lens = torch.full((rows,), context, dtype=torch.int64)
+            times = {(o, p): [] for o in ORDERS for p in pools}
+            for _ in range(args.rounds):
+                for order, name in times:
+                    tables = block_rows(order, rows, context // BLOCK, pool, rng)
+                    table = torch.tensor(tables, dtype=torch.int64)
+                    started = time.perf_counter()
+                    for cache in pools[name]:
+                        native.attention_rows(
+                            q, cache[0], cache[1], table, lens, HEAD_DIM**-0.5, packed_keys=True
+                        )
+                    times[order, name].append(1000 * (time.perf_counter() - started))
+            for name in pools:
+                cells = "  ".join(f"{o} {statistics.median(times[o, name]):.3f}" for o in ORDERS)
+                print(f"context {context:5d} rows {rows:3d} {name}: {cells} ms")
+
+
+if __name__ == "__main__":
+    main()
