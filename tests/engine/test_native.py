@@ -176,7 +176,8 @@ def prefetch_level_kept():
 @pytest.mark.usefixtures("prefetch_level_kept")
 def test_prefetch_level_is_measured_once_and_changes_no_bits(tmp_path, monkeypatch):
     """The level is measured on first load and kept beside the library; either level gives
-    the same outputs (a prefetch only changes when weights arrive)."""
+    the same outputs of the int4 kernels and the row attention (a prefetch only changes when
+    weights and cached keys arrive)."""
     from worker.layers.quant import quantize_int4
 
     ops = torch.ops.ladle_native
@@ -193,12 +194,18 @@ def test_prefetch_level_is_measured_once_and_changes_no_bits(tmp_path, monkeypat
     weight = quantize_int4(torch.randn(960, 576))
     packed = native.pack_int4(weight.values, weight.scales, weight.mins)
     x = torch.randn(1, 576)
+    dtype = torch.bfloat16 if native.bf16() else torch.float32
+    q, k_cache, v_cache, meta = _decode_case(5, 9, 3, 64, 11, dtype)  # scattered blocks
+    rows = (meta.decode_block_tables, meta.decode_context_lens, 0.125)
     outputs = []
     for level in (0, 1):
         ops.set_prefetch_level(level)
         outputs.append(ops.gemm_int4_f32(x, packed, 960, None))
         if native.bf16():
             outputs.append(ops.gemm_int4(x.to(torch.bfloat16), packed, 960, None))
+        outputs.append(native.attention_rows(q, k_cache, v_cache, *rows))
+        keys = native.pack_keys(k_cache)
+        outputs.append(native.attention_rows(q, keys, v_cache, *rows, packed_keys=True))
     half = len(outputs) // 2
     assert all(torch.equal(a, b) for a, b in zip(outputs[:half], outputs[half:], strict=True))
 

@@ -94,9 +94,9 @@ inline void prefetch_line(const void* at, bool to_l2) {
 }
 
 // Group `g + ahead` (kAheadBytes on) of NB weight streams (`block_bytes` apart from `first`)
-// into L1, or past their end the same group of the next set's streams (`next`, or nothing
-// where null): a set's streams are a few KB each, too short for the hardware prefetcher to
-// reach full speed on its own.
+// into L1 or L2 (`prefetch_level`), or past their end the same group of the next set's
+// streams (`next`, or nothing where null): a set's streams are a few KB each, too short for
+// the hardware prefetcher to reach full speed on its own.
 template <int NB>
 inline void prefetch_groups(const uint8_t* first, const uint8_t* next, int64_t g, int64_t groups,
                             int64_t block_bytes, int64_t group_bytes) {
