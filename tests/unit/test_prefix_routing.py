@@ -62,6 +62,16 @@ def test_the_filter_holds_what_was_added_and_little_else() -> None:
     assert filter_bits_for(0) == 1024 and filter_bits_for(10**9) == 1 << 20
 
 
+def test_a_filter_built_at_once_has_the_bits_of_one_added_at_a_time() -> None:
+    rng = random.Random(1)
+    held = [rng.randbytes(32) for _ in range(3000)]
+    one_by_one = PrefixFilter(filter_bits_for(3000))
+    for block_hash in held:
+        one_by_one.add(block_hash)
+    assert PrefixFilter.of(held, one_by_one.num_bits).bits == one_by_one.bits
+    assert not any(PrefixFilter.of([], 1024).bits)
+
+
 def _fingerprint(worker_id: str, token_ids: list[int], **load: int) -> PrefixFingerprint:
     built = PrefixFilter.of(prompt_block_hashes(token_ids, BLOCK), 1024)
     return PrefixFingerprint(
