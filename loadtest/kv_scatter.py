@@ -21,10 +21,11 @@ import time
 
 import torch
 
+from loadtest.attention_rows import BLOCK, HEAD_DIM, HEADS, KV_HEADS, dtype
 from worker.engine.kv_cache import zeroed
 from worker.layers import native
 
-LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
+LAYERS = 30
 ORDERS = ("ordered", "descending", "scattered")
 
 
@@ -51,22 +52,22 @@ def main() -> None:
     args = parser.parse_args()
     native.load()
     torch.set_num_threads(args.threads)
-    dtype = torch.bfloat16 if native.bf16() else torch.float32
-    layer_bytes = 2 * KV_HEADS * BLOCK * HEAD_DIM * dtype.itemsize
+    kind = dtype()
+    layer_bytes = 2 * KV_HEADS * BLOCK * HEAD_DIM * kind.itemsize
     pool = int(args.pool_gib * 2**30) // (LAYERS * layer_bytes)
     shape = (2, KV_HEADS, pool, BLOCK, HEAD_DIM)
     pools = {
-        "2 MiB pages": [zeroed(shape, dtype, torch.device("cpu")) for _ in range(LAYERS)],
-        "4 KiB pages": [torch.zeros(shape, dtype=dtype) for _ in range(LAYERS)],
+        "2 MiB pages": [zeroed(shape, kind, torch.device("cpu")) for _ in range(LAYERS)],
+        "4 KiB pages": [torch.zeros(shape, dtype=kind) for _ in range(LAYERS)],
     }
     for layers in pools.values():
         for cache in layers:
             cache.normal_()
-    print(f"{dtype}, {pool} blocks a layer, {args.threads} threads")
+    print(f"{kind}, {pool} blocks a layer, {args.threads} threads")
     rng = random.Random(0)
     for context in args.context:
         for rows in args.rows:
-            q = torch.randn(rows, HEADS, HEAD_DIM).to(dtype)
+            q = torch.randn(rows, HEADS, HEAD_DIM).to(kind)
             lens = torch.full((rows,), context, dtype=torch.int64)
             times = {(o, p): [] for o in ORDERS for p in pools}
             for _ in range(args.rounds):
