@@ -145,3 +145,15 @@ def test_long_steps_are_probed_for_a_small_share_of_their_time() -> None:
     probe_time = used.count(1) * 1.2
     assert 1 <= used.count(1) and probe_time <= 0.05 * clock.now + 1.2  # the first probe
     assert chooser.choices() == {"prefill<=1024": 2}
+
+
+def test_fewer_threads_need_a_clear_win_more_threads_a_small_one() -> None:
+    # A step 10 % faster on one thread (the service's own bursts on the other core can fake
+    # it) does not move a kind off two; a step 10 % faster on two moves a kind off one.
+    clock = Clock()
+    chooser = ThreadChooser([1, 2], lambda kind: 2, clock=clock, fewer_margin=0.25)
+    run(chooser, clock, "decode<=16", {1: 0.027, 2: 0.030}, 2000)
+    assert chooser.num_switches == 0
+    chooser = ThreadChooser([1, 2], lambda kind: 1, clock=clock, fewer_margin=0.25)
+    run(chooser, clock, "decode<=16", {1: 0.030, 2: 0.027}, 200)
+    assert chooser.choices() == {"decode<=16": 2} and chooser.num_switches == 1

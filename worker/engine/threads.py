@@ -16,9 +16,10 @@ ratios. Pairs, because steps of one kind differ by a factor of 2 as a batch fill
 that met a garbage collection or the API's burst of work would otherwise move a kind to the
 slower count (seen in the service: a 2-thread average of 293 ms against steps of 43 ms). A
 kind's first probe comes after its first few steps, so a wrong first count costs those steps,
-not seconds. A probe that loses, or wins by less than `margin`, doubles the wait before the
-next (up to `max_probe_s`; probes never cost more than `probe_share` of the kind's time); one
-that wins switches at once and resets the wait. The start-up plan only gives the first choice.
+not seconds. A probe that loses, or wins by less than `margin` (`fewer_margin` for fewer
+threads), doubles the wait before the next (up to `max_probe_s`; probes never cost more than
+`probe_share` of the kind's time); one that wins switches at once and resets the wait. The
+start-up plan only gives the first choice.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ class ThreadChooser:
         probe_budget_s: float = 0.2,
         first_probe_after: int = 4,
         margin: float = 0.05,
+        fewer_margin: float = 0.25,
         probe_share: float = 0.05,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -85,6 +87,10 @@ class ThreadChooser:
         self.first_probe_after = first_probe_after
         # a probe must be this much faster to switch: near-ties are noise, not a better count
         self.margin = margin
+        # fewer threads must win by this much: the core they free idles unless another process
+        # wants it, which no step time shows; the load this is for (a neighbour on a core)
+        # makes steps several times slower, while the service's own bursts fake small wins
+        self.fewer_margin = fewer_margin
         # probes after the first come at most this often, as a share of the kind's time: a
         # probe of a 1,024-token prefill chunk on half the cores costs about a chunk's time
         self.probe_share = probe_share
@@ -152,7 +158,7 @@ class ThreadChooser:
         # grows between pairs moves both halves of a pair alike
         pairs = zip(state.probe_times, state.baseline_times, strict=True)
         ratio = statistics.median(p / b for p, b in pairs)
-        if ratio < 1 - self.margin:
+        if ratio < 1 - (self.fewer_margin if threads < state.choice else self.margin):
             logger.info(
                 "%s steps: %d threads now (%.1f ms) rather than %d (%.1f ms)",
                 kind,
