@@ -34,6 +34,7 @@ import math
 import os
 import subprocess
 import sys
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -48,14 +49,17 @@ SERVERS = ("ladle", "ladle-4bit", "vllm", "llama-server")
 EXTRA_SERVERS = ("ladle-4bit-int8head", "ladle-4bit-bf16head", "ladle-4bit-kvmodel")
 
 
-def workload_for(shape: str, concurrency: int, vocab_size: int) -> Workload:
-    """Enough prompts that every client of the level stays busy until the time limit."""
+def workload_for(shape: str, concurrency: int, vocab_size: int, seed: int = 0) -> Workload:
+    """Enough prompts that every client of the level stays busy until the time limit, drawn
+    for this shape and level alone (and `seed`): with one seed for all, a cell's first prompts
+    were an earlier cell's, and both servers' prefix caches served them."""
     input_len, output_len = SHAPES[shape]
     return Workload(
         num_prompts=max(8, 2 * concurrency),
         input_len=input_len,
         output_len=output_len,
         vocab_size=vocab_size,
+        seed=zlib.crc32(f"{shape}:{concurrency}:{seed}".encode()),
     )
 
 

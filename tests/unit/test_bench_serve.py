@@ -277,3 +277,11 @@ def test_grid_table_puts_ladle_beside_vllm_and_llama_server() -> None:
     assert lines[-1].endswith("| 1.50 | - |")
     rag = workload_for("rag", 16, 49152)
     assert (rag.input_len, rag.output_len, rag.num_prompts) == (2048, 128, 32)
+    # no cell starts with another cell's prompts: the prefix caches would serve them
+    firsts = {
+        tuple(workload_for(shape, c, 49152, seed).prompts(0)[0][:16])
+        for shape in ("chat", "rag", "long")
+        for c in (1, 16, 64)
+        for seed in (0, 1)
+    }
+    assert len(firsts) == 18
