@@ -19,7 +19,7 @@ import asyncio
 import statistics
 
 from loadtest.bench_serve import bench_http, default_hf_dir, running_service
-from loadtest.grid import SHAPES, workload_for
+from loadtest.grid import SHAPES, run_cells, workload_for
 from loadtest.workload import LevelResult
 
 
@@ -58,14 +58,10 @@ def one_service(args: argparse.Namespace, env: dict[str, str]) -> list[LevelResu
     """One service with `env` added: warmed, then each level once."""
     env = {"LLM_KV_CACHE_SIZE_MB": str(args.kv_mb), **env}
     model = env.pop("MODEL", str(default_hf_dir()))
-    cells = []
     with running_service(1, model=model, extra_env=env) as url:
         warm = workload_for(args.shape, 4, args.vocab_size, seed=1)  # none of the levels' prompts
         asyncio.run(bench_http(url, None, warm, [4], 5.0))
-        for level in args.levels:
-            workload = workload_for(args.shape, level, args.vocab_size)
-            cells += asyncio.run(bench_http(url, None, workload, [level], args.max_seconds))
-    return cells
+        return run_cells(url, [args.shape], args.levels, args)[args.shape]
 
 
 def run(args: argparse.Namespace) -> dict[str, dict[int, list[float]]]:
