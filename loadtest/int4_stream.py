@@ -29,7 +29,8 @@ def packed_layers(num_layers: int) -> list[tuple[torch.Tensor, int, int]]:
             values = torch.randint(0, 16, (n, k), dtype=torch.uint8)
             scales = torch.rand(n, k // 32) * 0.01
             mins = -torch.rand(n, k // 32) * 0.05
-            layers.append((native.pack_int4(values, scales, mins), n, k))
+            pack = native.pack_int4 if native.bf16() else native.pack_int4_q8  # as `kernel()`
+            layers.append((pack(values, scales, mins), n, k))
     return layers
 
 

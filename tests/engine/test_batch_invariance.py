@@ -90,9 +90,10 @@ def test_quantized_matmul_is_batch_invariant(mode):
     assert_rows_invariant(kernel, _rand(576, seed=11), _rand(256, 576, seed=12))
 
 
-def _int4_packed(layout: str, seed: int) -> torch.Tensor:
+def _int4_packed(layout: str, seed: int, q8: bool = False) -> torch.Tensor:
     """A random 960 x 576 int4 weight packed with float16 scales and mins (our own int4, a
-    GGUF's Q4_0/Q4_1) or float32 ones (a Q4_K's d * sc, nudged off float16 here)."""
+    GGUF's Q4_0/Q4_1) or float32 ones (a Q4_K's d * sc, nudged off float16 here), for
+    `gemm_int4` or (`q8`) `gemm_int4_f32`."""
     from worker.layers import native
     from worker.layers.quant import quantize_int4
 
@@ -100,7 +101,8 @@ def _int4_packed(layout: str, seed: int) -> torch.Tensor:
     scales = weight.scales
     if layout == "float32":
         scales = torch.nextafter(scales, torch.full_like(scales, float("inf")))
-    packed = native.pack_int4(weight.values, scales, weight.mins)
+    pack = native.pack_int4_q8 if q8 else native.pack_int4
+    packed = pack(weight.values, scales, weight.mins)
     assert packed.shape[2] == (320 if layout == "float16" else 384)
     return packed
 
@@ -112,16 +114,17 @@ def test_int4_layouts_are_batch_invariant(layout):
     sums)."""
     from worker.layers import native
 
-    packed = _int4_packed(layout, seed=17)
+    packed_q8 = _int4_packed(layout, seed=17, q8=True)
     bias = _rand(960, seed=18, dtype=torch.float32)
 
     def kernel(x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.ladle_native.gemm_int4_f32(x, packed, 960, bias)
+        return torch.ops.ladle_native.gemm_int4_f32(x, packed_q8, 960, bias)
 
     probe, filler = (_rand(256, 576, seed=s, dtype=torch.float32) for s in (19, 20))
     assert_rows_invariant(kernel, probe[0], filler)
     if not native.bf16():
         return
+    packed = _int4_packed(layout, seed=17)
     for amx in (False, True) if native.int4_amx_usable(960, 576) else (False,):
 
         def bf16_kernel(x: torch.Tensor, amx: bool = amx) -> torch.Tensor:

@@ -148,9 +148,11 @@ def test_int4_layouts_give_the_same_bits(out_features, in_features, monkeypatch)
 
     weight = quantize_int4(torch.randn(out_features, in_features))
     half = native.pack_int4(weight.values, weight.scales, weight.mins)
+    half_q8 = native.pack_int4_q8(weight.values, weight.scales, weight.mins)
     monkeypatch.setattr(native, "is_half_exact", lambda t: False)  # float32 layout, same values
     full = native.pack_int4(weight.values, weight.scales, weight.mins)
-    assert half.shape[2] == 320 and full.shape[2] == 384
+    full_q8 = native.pack_int4_q8(weight.values, weight.scales, weight.mins)
+    assert half.shape[2] == half_q8.shape[2] == 320 and full.shape[2] == full_q8.shape[2] == 384
     for rows in (1, 2, 7, 8, 9, 17):
         x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
         if native.bf16():
@@ -161,8 +163,9 @@ def test_int4_layouts_give_the_same_bits(out_features, in_features, monkeypatch)
                 assert torch.equal(got, again)
             got = torch.ops.ladle_native.gemm_int4(xb, half, out_features, None)
             assert torch.equal(got, torch.ops.ladle_native.gemm_int4(xb, full, out_features, None))
-        got = torch.ops.ladle_native.gemm_int4_f32(x, half, out_features, None)
-        assert torch.equal(got, torch.ops.ladle_native.gemm_int4_f32(x, full, out_features, None))
+        got = torch.ops.ladle_native.gemm_int4_f32(x, half_q8, out_features, None)
+        again = torch.ops.ladle_native.gemm_int4_f32(x, full_q8, out_features, None)
+        assert torch.equal(got, again)
 
 
 @pytest.fixture
@@ -193,6 +196,7 @@ def test_prefetch_level_is_measured_once_and_changes_no_bits(tmp_path, monkeypat
         ops.set_prefetch_level(2)
     weight = quantize_int4(torch.randn(960, 576))
     packed = native.pack_int4(weight.values, weight.scales, weight.mins)
+    packed_q8 = native.pack_int4_q8(weight.values, weight.scales, weight.mins)
     x = torch.randn(1, 576)
     dtype = torch.bfloat16 if native.bf16() else torch.float32
     q, k_cache, v_cache, meta = _decode_case(5, 9, 3, 64, 11, dtype)  # scattered blocks
@@ -200,7 +204,7 @@ def test_prefetch_level_is_measured_once_and_changes_no_bits(tmp_path, monkeypat
     outputs = []
     for level in (0, 1):
         ops.set_prefetch_level(level)
-        outputs.append(ops.gemm_int4_f32(x, packed, 960, None))
+        outputs.append(ops.gemm_int4_f32(x, packed_q8, 960, None))
         if native.bf16():
             outputs.append(ops.gemm_int4(x.to(torch.bfloat16), packed, 960, None))
         outputs.append(native.attention_rows(q, k_cache, v_cache, *rows))
@@ -340,7 +344,7 @@ def test_int4_on_float32_computes_the_q8_dot_products(out_features, in_features)
     from worker.layers.quant import quantize_int4
 
     weight = quantize_int4(torch.randn(out_features, in_features))
-    packed = native.pack_int4(weight.values, weight.scales, weight.mins)
+    packed = native.pack_int4_q8(weight.values, weight.scales, weight.mins)
     bias = torch.randn(out_features)
     q_w = weight.values.double().reshape(out_features, -1, 32)
     dequantized = weight.dequantize().double()
@@ -364,7 +368,7 @@ def test_int4_on_float32_propagates_nan_and_zero_rows():
     from worker.layers.quant import quantize_int4
 
     weight = quantize_int4(torch.randn(32, 64))
-    packed = native.pack_int4(weight.values, weight.scales, weight.mins)
+    packed = native.pack_int4_q8(weight.values, weight.scales, weight.mins)
     x = torch.zeros(3, 64)
     x[1, 5] = float("nan")
     x[2, 40] = 1.0

@@ -241,7 +241,8 @@ class Int4Kernel(WeightOnlyKernel):
         n, k = weight.shape
         bf16 = self.compute_dtype == torch.bfloat16 and native.int4_packable(n, k, self.group_size)
         if bf16 or native.int4_f32_packable(n, k, self.group_size):  # else float32 x on AVX2
-            self.native_packed = native.pack_int4(weight.values, weight.scales, weight.mins)
+            pack = native.pack_int4 if bf16 else native.pack_int4_q8
+            self.native_packed = pack(weight.values, weight.scales, weight.mins)
             if not bf16:
                 self.compute_dtype, self.name = torch.float32, "int4-native-q8"
             else:

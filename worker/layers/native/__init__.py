@@ -633,13 +633,33 @@ def pack_int4(values: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) ->
     # (block, row, group, chunk, nibble, e) -> (block, group, chunk, nibble, row, e)
     q = values.to(torch.uint8).reshape(blocks, 16, groups, 8, 2, 2).permute(0, 2, 3, 4, 1, 5)
     nibbles = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).reshape(blocks, groups, 256)
+    return torch.cat([nibbles, _int4_meta(scales, mins)], dim=2).contiguous()
+
+
+def pack_int4_q8(values: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """The same weight in the layout `ladle_native.gemm_int4_f32` (float32 x, AVX2) streams:
+    as `pack_int4`, but per block and group two columns of 8 rows, each 4 chunks of 32 bytes;
+    chunk c's byte 4j + e holds row j's input 8c + e (low nibble) and 8c + 4 + e (high), so
+    that one `vpmaddubsw` multiplies 8 rows' 4 inputs by a quad of x broadcast from memory."""
+    n, k = values.shape
+    blocks, groups = n // 16, k // 32
+    # (block, column, row, group, chunk, nibble, e) -> (block, group, column, chunk, row, e, nibble)
+    q = values.to(torch.uint8).reshape(blocks, 2, 8, groups, 4, 2, 4).permute(0, 3, 1, 4, 2, 6, 5)
+    nibbles = (q[..., 0] | (q[..., 1] << 4)).reshape(blocks, groups, 256)
+    return torch.cat([nibbles, _int4_meta(scales, mins)], dim=2).contiguous()
+
+
+def _int4_meta(scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """Per block of 16 rows and group: the rows' scales, then their mins, as float16 where
+    every one is a float16 exactly, else as float32 ([N/16, K/32, 64 or 128] bytes)."""
+    n, groups = scales.shape
     dtype = torch.float16 if is_half_exact(scales) and is_half_exact(mins) else torch.float32
 
     def per_row(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [blocks, G, 16 values' bytes]
-        rows = t.to(dtype).reshape(blocks, 16, groups).permute(0, 2, 1).contiguous()
-        return rows.view(torch.uint8).reshape(blocks, groups, -1)
+        rows = t.to(dtype).reshape(n // 16, 16, groups).permute(0, 2, 1).contiguous()
+        return rows.view(torch.uint8).reshape(n // 16, groups, -1)
 
-    return torch.cat([nibbles, per_row(scales), per_row(mins)], dim=2).contiguous()
+    return torch.cat([per_row(scales), per_row(mins)], dim=2)
 
 
 def is_half_exact(t: torch.Tensor) -> bool:

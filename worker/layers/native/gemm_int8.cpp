@@ -191,6 +191,8 @@ inline __m256i quad_dot(__m256i stored, __m256i quad) {
 }
 
 struct Int8Q8 {
+  static constexpr int64_t kPass = kV16Pass;
+
   template <int M, int NB>
   static void run(const Q8Rows& xq, int64_t m0, const uint8_t* first_block, int64_t groups,
                   const float* bias, float* y, int64_t ldy, const uint8_t* next_set = nullptr) {

@@ -72,7 +72,8 @@ inline void q8_store(const V16 (&out)[M][NB], const float* bias, float* y, int64
 
 // y[M, N] (float32) = x @ W^T + bias for a weight packed by blocks of 16 outputs and groups
 // of 32 inputs (`group_bytes` a block's group): one row streams four blocks at once
-// (`Kernel::template run<1, 4>`), several rows share each block's weights (`run<M, 1>`).
+// (`Kernel::template run<1, 4>`), several rows share each block's weights (`run<M, 1>`, up
+// to `Kernel::kPass` rows a pass).
 template <class Kernel>
 void q8_gemm(const float* x, const uint8_t* packed, const float* bias, float* y, int64_t M,
              int64_t N, int64_t K, int64_t group_bytes) {
@@ -94,7 +95,7 @@ void q8_gemm(const float* x, const uint8_t* packed, const float* bias, float* y,
         });
     return;
   }
-  block_passes(N / kRows, M, kV16Pass, [&](int64_t b, int64_t m0, int64_t rows) {
+  block_passes(N / kRows, M, Kernel::kPass, [&](int64_t b, int64_t m0, int64_t rows) {
     with_rows(rows, [&](auto m) {
       Kernel::template run<decltype(m)::value, 1>(xq, m0, packed + b * block_bytes, groups,
                                                   bias_at(b), y + m0 * N + b * kRows, N);
