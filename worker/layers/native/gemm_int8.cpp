@@ -191,7 +191,9 @@ inline __m256i quad_dot(__m256i stored, __m256i quad) {
 }
 
 struct Int8Q8 {
-  static constexpr int64_t kPass = kV16Pass;
+  // Rows per pass over a block: on 16 ymm 4 rows measured fastest (x0.81-0.93 of 2 at 4-64
+  // rows, docs/benchmarks.md); 32 zmm hold kV16Pass's 8.
+  static constexpr int64_t kPass = std::max<int64_t>(kV16Pass, 4);
 
   template <int M, int NB>
   static void run(const Q8Rows& xq, int64_t m0, const uint8_t* first_block, int64_t groups,

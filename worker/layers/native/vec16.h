@@ -204,9 +204,9 @@ inline V16 sum_lanes(const V16* a) {
 
 #if defined(LADLE_V16)
 namespace ladle {
-// Rows of x per pass over a weight block in the float32-activation kernels, so that their
+// Rows of x per pass over a weight block in the float32 kernel (gemm_f32), so that their
 // sums stay in registers: 32 zmm hold 8 rows' worth; with 16 ymm, 2 rows measured fastest
-// (against 3, 4 and 8; docs/benchmarks.md).
+// (against 3, 4 and 8; docs/benchmarks.md). The q8 kernels set their own (`kPass`).
 #if defined(__AVX512BF16__)
 constexpr int64_t kV16Pass = 8;
 #else
