@@ -123,20 +123,15 @@ void block_passes(int64_t blocks, int64_t M, int64_t pass, const F& f) {
   });
 }
 
-// f(std::integral_constant<int, m>{}) for m = min(rows, kMaxM), rows >= 1: the row count of a
-// pass as a template argument, so each count's sums stay in registers.
-template <class F>
+// f(std::integral_constant<int, m>{}) for m = min(rows, Max), rows >= 1: the row count of a
+// pass as a template argument, so each count's sums stay in registers (and no count past a
+// kernel's own pass is compiled).
+template <int64_t Max = kMaxM, int N = 1, class F>
 void with_rows(int64_t rows, const F& f) {
-  switch (rows) {
-    case 1: return f(std::integral_constant<int, 1>{});
-    case 2: return f(std::integral_constant<int, 2>{});
-    case 3: return f(std::integral_constant<int, 3>{});
-    case 4: return f(std::integral_constant<int, 4>{});
-    case 5: return f(std::integral_constant<int, 5>{});
-    case 6: return f(std::integral_constant<int, 6>{});
-    case 7: return f(std::integral_constant<int, 7>{});
-    default: return f(std::integral_constant<int, kMaxM>{});
+  if constexpr (N < Max) {
+    if (rows > N) return with_rows<Max, N + 1>(rows, f);
   }
+  f(std::integral_constant<int, N>{});
 }
 
 // The bias as float32 (undefined where there is none), checked against N outputs.

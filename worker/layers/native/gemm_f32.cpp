@@ -52,7 +52,8 @@ inline void block_dot(const float* block, const float* x, int64_t ldx, int64_t K
 
 void block_rows(int64_t rows, const float* block, const float* x, int64_t ldx, int64_t K,
                 const float* bias, float* y, int64_t ldy) {
-  with_rows(rows, [&](auto m) { block_dot<decltype(m)::value>(block, x, ldx, K, bias, y, ldy); });
+  with_rows<kV16Pass>(rows,
+                      [&](auto m) { block_dot<decltype(m)::value>(block, x, ldx, K, bias, y, ldy); });
 }
 
 // One row against NB blocks at once: NB weight streams in flight.

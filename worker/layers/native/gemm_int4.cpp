@@ -37,9 +37,8 @@
 // 127, p = round(x / d)), so the products are integers: `vpmaddubsw` multiplies 8 rows'
 // nibbles by a quad of p broadcast from memory (int16 sums, exact), a group's four chunks
 // add in int16 (at most 8 * 2 * 15 * 127 < 2^15), and `vpmaddwd` widens each row's pairs
-// into its int32 sum. (Against 16 rows' pairs a chunk, as the bf16 layout has them: a third
-// fewer vector instructions a product, 1.2-1.3x the many-row speed.) Per group, with
-// P = sum_k q_k p_k and
+// into its int32 sum: fewer vector instructions a product than the bf16 layout's 16 rows'
+// pairs a chunk (docs/benchmarks.md). Per group, with P = sum_k q_k p_k and
 // S = sum_k p_k (exact), sum_k w_k x_k ~ sum_k w_k d p_k = s d P + m d S; it runs
 // out = fma(s, d P, out), out = fma(m, d S, out) for groups in order, then + bias. Integer
 // sums are exact, so a row's result depends on its own values alone (batch invariant).

@@ -191,8 +191,8 @@ inline __m256i quad_dot(__m256i stored, __m256i quad) {
 }
 
 struct Int8Q8 {
-  // Rows per pass over a block: on 16 ymm 4 rows measured fastest (x0.81-0.93 of 2 at 4-64
-  // rows, docs/benchmarks.md); 32 zmm hold kV16Pass's 8.
+  // Rows per pass over a block: on 16 ymm 4 measured fastest (docs/benchmarks.md); 32 zmm
+  // hold kV16Pass's 8.
   static constexpr int64_t kPass = std::max<int64_t>(kV16Pass, 4);
 
   template <int M, int NB>

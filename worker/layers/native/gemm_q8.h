@@ -96,7 +96,7 @@ void q8_gemm(const float* x, const uint8_t* packed, const float* bias, float* y,
     return;
   }
   block_passes(N / kRows, M, Kernel::kPass, [&](int64_t b, int64_t m0, int64_t rows) {
-    with_rows(rows, [&](auto m) {
+    with_rows<Kernel::kPass>(rows, [&](auto m) {
       Kernel::template run<decltype(m)::value, 1>(xq, m0, packed + b * block_bytes, groups,
                                                   bias_at(b), y + m0 * N + b * kRows, N);
     });
