@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -22,23 +23,25 @@ from worker.layers import native
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 
 
-def packed_layers(num_layers: int) -> list[tuple[torch.Tensor, int, int]]:
+def packed_layers(
+    num_layers: int, pack: Callable[..., torch.Tensor]
+) -> list[tuple[torch.Tensor, int, int]]:
     layers = []
     for _ in range(num_layers):
         for n, k in SHAPES:
             values = torch.randint(0, 16, (n, k), dtype=torch.uint8)
             scales = torch.rand(n, k // 32) * 0.01
             mins = -torch.rand(n, k // 32) * 0.05
-            pack = native.pack_int4 if native.bf16() else native.pack_int4_q8  # as `kernel()`
             layers.append((pack(values, scales, mins), n, k))
     return layers
 
 
-def kernel() -> tuple[object, torch.dtype]:
-    """The int4 op decode runs here: on bf16 x with AVX512-BF16, else on float32 x (AVX2)."""
+def kernel() -> tuple[object, torch.dtype, Callable[..., torch.Tensor]]:
+    """The int4 op decode runs here, its x dtype and the packing it reads: on bf16 x with
+    AVX512-BF16, else on float32 x (AVX2)."""
     if native.bf16():
-        return torch.ops.ladle_native.gemm_int4, torch.bfloat16
-    return torch.ops.ladle_native.gemm_int4_f32, torch.float32
+        return torch.ops.ladle_native.gemm_int4, torch.bfloat16, native.pack_int4
+    return torch.ops.ladle_native.gemm_int4_f32, torch.float32, native.pack_int4_q8
 
 
 def one_pass(
@@ -65,8 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     if not native.configure(True):
         print(f"native kernels unavailable: {native.status()}")
         return 1
-    layers = packed_layers(args.layers)
-    gemm, dtype = kernel()
+    gemm, dtype, pack = kernel()
+    layers = packed_layers(args.layers, pack)
     xs = {k: torch.randn(1, k).to(dtype) for k in (576, 1536)}
     total = sum(packed.numel() for packed, _, _ in layers)
     floats = [torch.randn(total // 4 // 8) for _ in range(8)]
