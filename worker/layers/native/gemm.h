@@ -51,6 +51,20 @@ void parallel_items(int64_t n, int64_t chunk, const F& f) {
   });
 }
 
+// parallel_chunks, where `f(item, next)` is also told the item this thread computes after it
+// (-1: none): a thread takes its next chunk before it computes the last item of this one, so
+// that the next item's weights can be prefetched while this one computes.
+template <class F>
+void items_then_next(int64_t n, int64_t chunk, const F& f) {
+  parallel_chunks(n, chunk, [&](const auto& take) {
+    int64_t begin, end, following, stop;
+    for (bool more = take(begin, end); more; begin = following, end = stop) {
+      more = take(following, stop);
+      for (int64_t i = begin; i < end; ++i) f(i, i + 1 < end ? i + 1 : more ? following : -1);
+    }
+  });
+}
+
 // One row of x against `blocks` weight blocks, dealt to the threads in sets of `Set` (that
 // many weight streams in flight: one row is memory-bound): `set(b0, next)` computes blocks b0
 // to b0 + Set - 1, where `next` is the first block of the full set this thread takes after it
@@ -58,18 +72,12 @@ void parallel_items(int64_t n, int64_t chunk, const F& f) {
 // single block of the last, short set.
 template <int64_t Set, class SetFn, class OneFn>
 void row_sets(int64_t blocks, const SetFn& set, const OneFn& one) {
-  parallel_chunks((blocks + Set - 1) / Set, 1, [&](const auto& take) {
-    int64_t s, end;
-    for (bool more = take(s, end); more;) {
-      int64_t following;
-      more = take(following, end);
-      const int64_t b0 = s * Set;
-      if (blocks - b0 >= Set) {
-        set(b0, more && blocks - following * Set >= Set ? following * Set : -1);
-      } else {
-        for (int64_t b = b0; b < blocks; ++b) one(b);
-      }
-      s = following;
+  items_then_next((blocks + Set - 1) / Set, 1, [&](int64_t s, int64_t following) {
+    const int64_t b0 = s * Set;
+    if (blocks - b0 >= Set) {
+      set(b0, following >= 0 && blocks - following * Set >= Set ? following * Set : -1);
+    } else {
+      for (int64_t b = b0; b < blocks; ++b) one(b);
     }
   });
 }

@@ -214,18 +214,18 @@ void strip_gemm(const uint16_t* x, const uint16_t* packed, const float* bias, ui
   // the next strip's lines, spread over every pass of this one
   const int64_t lines = (kStripBlocks * block_elems * 2 / 64 + passes * (pairs / kSums) - 1) /
                         std::max<int64_t>(1, passes * (pairs / kSums));
-  // two strips at a time: the second's weights are the ones the first prefetches
-  parallel_items(strips, 2, [&](int64_t begin, int64_t end) {
+  // two strips at a time; each strip's weights are prefetched while the one before it computes
+  items_then_next(strips, 2, [&](int64_t s, int64_t after) {
     alignas(64) float sums[kStripRows * kStripBlocks * kRows];
-    for (int64_t s = begin; s < end; ++s) {
-      const uint16_t* strip = packed + s * kStripBlocks * block_elems;
-      const char* next = reinterpret_cast<const char*>(strip + kStripBlocks * block_elems);
-      Prefetch ahead{next, s + 1 < end ? next + kStripBlocks * block_elems * 2 : next, lines};
-      for (int64_t m0 = 0; m0 < M; m0 += kStripRows) {
-        const int64_t rows = std::min(kStripRows, M - m0);
-        strip_rows(rows, strip, pairs, x + m0 * K, K, ahead, sums);
-        store_rows(sums, rows, kStripBlocks, s * kStripBlocks, bias, y + m0 * N, N);
-      }
+    const uint16_t* strip = packed + s * kStripBlocks * block_elems;
+    const char* next =
+        after < 0 ? nullptr
+                  : reinterpret_cast<const char*>(packed + after * kStripBlocks * block_elems);
+    Prefetch ahead{next, next ? next + kStripBlocks * block_elems * 2 : nullptr, lines};
+    for (int64_t m0 = 0; m0 < M; m0 += kStripRows) {
+      const int64_t rows = std::min(kStripRows, M - m0);
+      strip_rows(rows, strip, pairs, x + m0 * K, K, ahead, sums);
+      store_rows(sums, rows, kStripBlocks, s * kStripBlocks, bias, y + m0 * N, N);
     }
   });
 }
