@@ -11,6 +11,7 @@ import torch
 from worker.engine.core.request import Request
 from worker.engine.core.sampling_params import SamplingParams
 from worker.engine.sampler import Sampler, _top_k_top_p, first_max
+from worker.layers import native
 
 torch.set_num_threads(1)
 
@@ -250,19 +251,40 @@ def test_row_count_mismatch_raises() -> None:
         Sampler().sample(random_logits(2), [make_request()])
 
 
-def test_first_max_is_argmax_on_ties_nans_and_signed_zeros() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_first_max_is_argmax_on_ties_nans_and_signed_zeros(dtype: torch.dtype) -> None:
+    """bf16 logits go to the native kernel where it is built (`native.serves`): the same
+    index as argmax over their float32 values, at 1 and 2 threads and any row length."""
+    native.load()
     generator = torch.Generator().manual_seed(0)
     threads = torch.get_num_threads()
     try:
         for num_threads in (1, 2):
             torch.set_num_threads(num_threads)
-            for rows in (1, 3, 64):
+            for rows, width in ((1, 4099), (3, 4099), (64, 4099), (2, 7), (5, 16), (4, 49152)):
                 # few distinct values: every row has many tied maxima
-                values = torch.randint(-3, 4, (rows, 4099), generator=generator).float()
+                values = torch.randint(-3, 4, (rows, width), generator=generator).to(dtype)
                 zeros = values == 0
                 values[zeros & (torch.rand(values.shape, generator=generator) < 0.5)] = -0.0
-                assert torch.equal(first_max(values), values.argmax(dim=-1))
+                expected = values.float().argmax(dim=-1)
+                assert torch.equal(first_max(values), expected)
+                values[:, -1] = float("inf")  # the largest in the tail
+                assert torch.equal(first_max(values), values.float().argmax(dim=-1))
+                values[0, 1:] = float("-inf")  # a row of -inf but its first value
+                assert torch.equal(first_max(values), values.float().argmax(dim=-1))
                 values[torch.rand(values.shape, generator=generator) < 0.001] = float("nan")
-                assert torch.equal(first_max(values), values.argmax(dim=-1))
+                values[-1, -1] = float("nan")
+                assert torch.equal(first_max(values), values.float().argmax(dim=-1))
     finally:
         torch.set_num_threads(threads)
+
+
+def test_first_max_on_bf16_reads_the_native_kernel_where_built() -> None:
+    if not (native.load() and native.bf16()):
+        pytest.skip("no AVX512-BF16 native kernels on this CPU")
+    values = torch.randn(8, 1000).to(torch.bfloat16)
+    assert torch.equal(torch.ops.ladle_native.first_max_bf16(values), values.float().argmax(dim=-1))
+    assert torch.equal(
+        torch.ops.ladle_native.first_max_bf16(torch.full((2, 33), float("-inf")).bfloat16()),
+        torch.zeros(2, dtype=torch.long),
+    )

@@ -37,7 +37,8 @@ class ModelRunner:
     """Owns the KV cache; turns a SchedulerOutput into sampled tokens.
 
     Per step: flat ragged inputs (no padding), slot mapping from block tables, attention
-    metadata in the per-step context, logits (float32) only at the last token of sampling
+    metadata in the per-step context, logits (the model's dtype, widened by the sampler where it
+    needs float32) only at the last token of sampling
     chunks (at every position of a chunk with drafts), then the sampler and, for drafts,
     verification.
     """
@@ -129,8 +130,9 @@ class ModelRunner:
             )
 
     @torch.inference_mode()
-    def compute_logits(self, scheduler_output: SchedulerOutput) -> torch.Tensor:
-        """Float32 logits [S, vocab]: `num_sampled_rows` rows per chunk, in chunk order."""
+    def compute_logits(self, scheduler_output: SchedulerOutput, widen: bool = True) -> torch.Tensor:
+        """Float32 logits [S, vocab]: `num_sampled_rows` rows per chunk, in chunk order (`widen`
+        False: in the model's dtype where the family allows, see its compute_logits)."""
         chunks = scheduler_output.chunks
         if self.graphs is not None and self.graphs.supports(chunks):
             try:
@@ -142,14 +144,14 @@ class ModelRunner:
                 sampling = [i for i, c in enumerate(chunks) if c.is_sampling]
                 if len(sampling) < len(chunks):
                     hidden = hidden[torch.tensor(sampling, dtype=torch.long, device=self.device)]
-                return self.model.compute_logits(hidden)
+                return self.model.compute_logits(hidden, widen)
         inputs = build_step_inputs(chunks, self.block_size, self.device, self.row_attention)
         set_attention_metadata(inputs.metadata)
         try:
             hidden = self.forward(inputs.input_ids, inputs.positions)
         finally:
             set_attention_metadata(None)
-        return self.model.compute_logits(hidden[inputs.logits_indices])
+        return self.model.compute_logits(hidden[inputs.logits_indices], widen)
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -159,7 +161,8 @@ class ModelRunner:
         # A chunk with k drafts has k + 1 rows, sampled exactly as k + 1 decode steps would be.
         rows = [c.request for c in chunks for _ in range(c.num_sampled_rows)]
         self.sampler.begin(rows)  # grammar masks are filled while the forward runs
-        logits = self.compute_logits(scheduler_output)
+        # the sampler widens them to float32 where it reads more than each row's argmax
+        logits = self.compute_logits(scheduler_output, widen=False)
         if not chunks:
             return ModelRunnerOutput()
         sampled = self.sampler.sample(logits, rows)

@@ -28,6 +28,7 @@ from worker.engine.core.outputs import SampledToken, TopToken
 from worker.engine.core.request import Request
 from worker.engine.core.sampling_params import SamplingParams
 from worker.engine.grammar_matcher import apply_bitmask, fill_bitmask, start_bitmask
+from worker.layers import native
 
 _NEG_INF = float("-inf")
 _MIN_UNIFORM = 1e-20
@@ -75,7 +76,8 @@ class Sampler:
             generator.set_state(states[-num_rows])
 
     def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[SampledToken]:
-        """Pick a token for each row; row i of `logits` belongs to `requests[i]`.
+        """Pick a token for each row; row i of `logits` (float32, or the model's dtype: widened
+        here where anything but the argmax reads them) belongs to `requests[i]`.
 
         A request may own several rows (consecutive positions, in order): each is sampled as
         its own decode step would be.
@@ -156,7 +158,10 @@ class Sampler:
 
 def first_max(values: torch.Tensor) -> torch.Tensor:
     """Each row's argmax: its first largest value (a NaN counts as largest), as
-    `argmax(dim=-1)` gives it, from `max`'s kernel, the faster one on CPU (docs/benchmarks.md)."""
+    `argmax(dim=-1)` gives it, from `max`'s kernel, the faster one on CPU; bf16 logits on the
+    native kernels as they are, with no float32 copy (docs/benchmarks.md)."""
+    if values.dtype == torch.bfloat16 and values.dim() == 2 and native.serves(values):
+        return torch.ops.ladle_native.first_max_bf16(values)
     return values.max(dim=-1).indices
 
 

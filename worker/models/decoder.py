@@ -121,7 +121,8 @@ class DecoderModel(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    """forward(input_ids [T], positions [T]) -> hidden [T, H]; compute_logits -> float32.
+    """forward(input_ids [T], positions [T]) -> hidden [T, H]; compute_logits -> float32
+    (or the model's dtype, asked for).
 
     A family subclasses it with `spec_for(config, architecture)` and, where its checkpoint
     names differ from ours, `checkpoint_name`."""
@@ -161,12 +162,16 @@ class DecoderForCausalLM(nn.Module):
                 module.use_native(chosen)
         return chosen
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits [N, vocab] (soft-capped where the family does, as Gemma 2)."""
-        logits = self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, widen: bool = True) -> torch.Tensor:
+        """Float32 logits [N, vocab] (soft-capped where the family does, as Gemma 2); with
+        `widen` False, uncapped logits stay in the model's dtype (a greedy step's argmax is the
+        same on them, without a float32 copy)."""
+        logits = self.lm_head(hidden)
         cap = self.spec.final_softcap
+        if cap is None:
+            return logits.float() if widen else logits
         # in place on the fresh float32 logits: HF's divide, tanh, multiply, no copies
-        return logits if cap is None else logits.div_(cap).tanh_().mul_(cap)
+        return logits.float().div_(cap).tanh_().mul_(cap)
 
     def post_load(self) -> None:
         for rotary in self.model.rotary_emb.values():

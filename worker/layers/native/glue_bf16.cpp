@@ -15,6 +15,9 @@
 //   rotary_bf16_(x, positions, cos, sin, heads)   in place on the first `heads` heads of
 //                                        x [T, heads..., D] (HF's rotate-half; sin's first
 //                                        half negated, as RotaryEmbedding stores it)
+//   first_max_bf16(x)                   each row's index of its first largest value, a NaN
+//                                        counting as largest (argmax's answer), read from the
+//                                        bf16 logits as they are: no float32 copy for greedy
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -24,6 +27,7 @@
 #include "glue.h"
 #include "vec_bf16.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <tuple>
@@ -130,6 +134,59 @@ void gated_row(const uint16_t* gate, const uint16_t* up, int64_t n, uint16_t* ds
   }
 }
 
+// Where a lane's largest value so far is, over the values it has seen in index order: a later
+// value replaces it only where strictly larger, or a NaN over a number (the first NaN stays).
+struct LaneMax {
+  __m512 best = _mm512_set1_ps(-INFINITY);
+  __m512i at = _mm512_set1_epi32(INT32_MAX);  // no value yet: an index no row has
+
+  void see(__m512 v, __m512i index, __mmask16 valid) {
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    const __mmask16 best_nan = _mm512_cmp_ps_mask(best, best, _CMP_UNORD_Q);
+    const __mmask16 empty = _mm512_cmpeq_epi32_mask(at, _mm512_set1_epi32(INT32_MAX));
+    const __mmask16 take =
+        valid & (empty | _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ) | (nan & ~best_nan));
+    best = _mm512_mask_mov_ps(best, take, v);
+    at = _mm512_mask_mov_epi32(at, take, index);
+  }
+};
+
+// One row's first largest value's index (see the header): four running maxima, 16 lanes each,
+// over interleaved runs of 16 values (independent chains), then the smallest index among the
+// lanes holding the row's largest (any NaN first).
+int64_t first_max_row(const uint16_t* x, int64_t n) {
+  constexpr int kChains = 4;
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __mmask16 all = 0xFFFF;
+  LaneMax chains[kChains];
+  int64_t i = 0;
+  for (; i + 16 * kChains <= n; i += 16 * kChains)
+    for (int c = 0; c < kChains; ++c) {
+      const int64_t at = i + 16 * c;
+      chains[c].see(bf16_to_f32(x + at), _mm512_add_epi32(lane, _mm512_set1_epi32(at)), all);
+    }
+  for (; i < n; i += 16) {
+    const __mmask16 valid = n - i < 16 ? tail_mask(n - i) : all;
+    chains[0].see(bf16_to_f32_masked(x + i, valid), _mm512_add_epi32(lane, _mm512_set1_epi32(i)),
+                  valid);
+  }
+  __mmask16 nans[kChains], any_nan = 0;
+  float largest = -INFINITY;
+  for (int c = 0; c < kChains; ++c) {
+    nans[c] = _mm512_cmp_ps_mask(chains[c].best, chains[c].best, _CMP_UNORD_Q);
+    any_nan |= nans[c];
+    largest = std::max(largest, _mm512_mask_reduce_max_ps(~nans[c], chains[c].best));
+  }
+  int32_t first = INT32_MAX;
+  for (int c = 0; c < kChains; ++c) {
+    const __mmask16 holders =
+        any_nan ? nans[c]
+                : _mm512_cmp_ps_mask(chains[c].best, _mm512_set1_ps(largest), _CMP_EQ_OQ);
+    first = std::min(first, _mm512_mask_reduce_min_epi32(holders, chains[c].at));
+  }
+  return first;
+}
+
 #endif  // __AVX512BF16__
 
 #if defined(__AVX512BF16__)
@@ -162,6 +219,26 @@ void rotary_bf16_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& 
   LADLE_BF16((rotary_rows<uint16_t, rotate_head>(x, positions, cos, sin, heads, at::kBFloat16)));
 }
 
+// x [rows, n] bf16 -> int64 [rows].
+at::Tensor first_max_bf16(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(1) > 0 &&
+                  x.size(1) <= INT32_MAX,
+              "x must be a 2-D bf16 [rows, n] with 0 < n < 2^31");
+  const at::Tensor xc = x.contiguous();
+  const int64_t rows = xc.size(0), n = xc.size(1);
+  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
+#if defined(__AVX512BF16__)
+  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) op[r] = first_max_row(xp + r * n, n);
+  });
+  return out;
+#else
+  TORCH_CHECK(false, "ladle_native: built without AVX512-BF16");
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ladle_native, m) {
@@ -172,6 +249,7 @@ TORCH_LIBRARY_FRAGMENT(ladle_native, m) {
   m.def("silu_mul_bf16(Tensor x) -> Tensor");
   m.def("gelu_tanh_mul_bf16(Tensor x) -> Tensor");
   m.def("rotary_bf16_(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin, int heads) -> ()");
+  m.def("first_max_bf16(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ladle_native, CPU, m) {
@@ -180,4 +258,5 @@ TORCH_LIBRARY_IMPL(ladle_native, CPU, m) {
   m.impl("silu_mul_bf16", &silu_mul_bf16);
   m.impl("gelu_tanh_mul_bf16", &gelu_tanh_mul_bf16);
   m.impl("rotary_bf16_", &rotary_bf16_);
+  m.impl("first_max_bf16", &first_max_bf16);
 }
