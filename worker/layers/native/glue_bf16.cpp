@@ -136,16 +136,15 @@ void gated_row(const uint16_t* gate, const uint16_t* up, int64_t n, uint16_t* ds
 
 // Where a lane's largest value so far is, over the values it has seen in index order: a later
 // value replaces it only where strictly larger, or a NaN over a number (the first NaN stays).
+// A lane that has seen only -inf keeps no index (a row of -inf is answered by its caller).
 struct LaneMax {
   __m512 best = _mm512_set1_ps(-INFINITY);
-  __m512i at = _mm512_set1_epi32(INT32_MAX);  // no value yet: an index no row has
+  __m512i at = _mm512_set1_epi32(INT32_MAX);  // an index no row has
 
   void see(__m512 v, __m512i index, __mmask16 valid) {
     const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     const __mmask16 best_nan = _mm512_cmp_ps_mask(best, best, _CMP_UNORD_Q);
-    const __mmask16 empty = _mm512_cmpeq_epi32_mask(at, _mm512_set1_epi32(INT32_MAX));
-    const __mmask16 take =
-        valid & (empty | _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ) | (nan & ~best_nan));
+    const __mmask16 take = valid & (_mm512_cmp_ps_mask(v, best, _CMP_GT_OQ) | (nan & ~best_nan));
     best = _mm512_mask_mov_ps(best, take, v);
     at = _mm512_mask_mov_epi32(at, take, index);
   }
@@ -177,6 +176,7 @@ int64_t first_max_row(const uint16_t* x, int64_t n) {
     any_nan |= nans[c];
     largest = std::max(largest, _mm512_mask_reduce_max_ps(~nans[c], chains[c].best));
   }
+  if (!any_nan && largest == -INFINITY) return 0;  // every value -inf: the first
   int32_t first = INT32_MAX;
   for (int c = 0; c < kChains; ++c) {
     const __mmask16 holders =
