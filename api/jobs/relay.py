@@ -64,7 +64,11 @@ class Subscription:
 
     async def next(self, timeout: float | None) -> tuple[str, StreamEvent]:
         """The next (entry id, event); raises TimeoutError."""
-        item = await asyncio.wait_for(self.queue.get(), timeout)
+        if self.queue.empty():  # a timeout scope, not wait_for: that wraps each get in a task
+            async with asyncio.timeout(timeout):
+                item = await self.queue.get()
+        else:
+            item = self.queue.get_nowait()
         if self.is_paused and self.queue.qsize() <= self.max_buffered // 2:
             self.is_paused = False
             self.on_resume()
@@ -242,18 +246,14 @@ class Relay:
     ) -> set[asyncio.Task[list]]:
         """Start a read of the streams no read in flight covers; on a wake-up (a new or a
         resumed subscriber) look again, until a read returns."""
-        wake = self._wakes[group]
+        wake = self._wakes[group]  # also set by each read as it ends (_start_read)
         while True:
             wake.clear()
             self._start_read(group, reads)
-            woken = asyncio.ensure_future(wake.wait())
-            try:
-                done, _ = await asyncio.wait([*reads, woken], return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                woken.cancel()
-            finished = {task for task in done if task is not woken}
+            finished = {task for task in reads if task.done()}
             if finished:
-                return finished  # type: ignore[return-value]
+                return finished
+            await wake.wait()
 
     def _start_read(self, group: int, reads: dict[asyncio.Task[list], set[str]]) -> None:
         if len(reads) >= MAX_READS:
@@ -262,6 +262,7 @@ class Relay:
         positions = {s: p for s, p in self._positions(group).items() if s not in covered}
         if positions:
             task = asyncio.ensure_future(self.shards.read(group, positions, self.block_ms))
+            task.add_done_callback(lambda _: self._wakes[group].set())
             reads[task] = set(positions)
 
     def _on_lost(self, exc: BaseException) -> None:

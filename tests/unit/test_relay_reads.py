@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import fakeredis
+import pytest
 
 from api.jobs.relay import Relay
 from shared.contracts import DeltaEvent, ErrorEvent, encode_event
@@ -62,4 +63,14 @@ async def test_a_stream_is_not_read_again_after_its_last_event() -> None:
         while relay._reads[0]:
             await asyncio.sleep(0.01)
     assert sub.is_ended and relay._positions(0) == {}
+    await relay.stop()
+
+
+async def test_next_waits_at_most_its_timeout_and_takes_a_waiting_event_at_once() -> None:
+    relay = Relay(fakeredis.FakeAsyncRedis(), KEYS, block_ms=LONG_BLOCK_MS)
+    sub = relay.subscribe("job-1")
+    with pytest.raises(TimeoutError):
+        await sub.next(timeout=0.05)
+    sub.queue.put_nowait(("1-0", EVENT))
+    assert await sub.next(timeout=0) == ("1-0", EVENT)
     await relay.stop()
