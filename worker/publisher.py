@@ -91,7 +91,10 @@ class Publisher:
         for job_id, event in entries:
             shard = self.store.shards.index(self.store.keys.stream(job_id))
             by_shard.setdefault(shard, []).append((job_id, event))
-        await asyncio.gather(*(self._write_shard(i, part) for i, part in by_shard.items()))
+        if len(by_shard) == 1:  # the usual case: no task for gather to wrap it in
+            await self._write_shard(*by_shard.popitem())
+        else:
+            await asyncio.gather(*(self._write_shard(i, part) for i, part in by_shard.items()))
 
     async def _write_shard(self, shard: int, entries: list[tuple[str, object]]) -> None:
         """One pipeline to one stream shard (the main Redis unless streams are sharded)."""
