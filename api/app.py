@@ -44,6 +44,7 @@ from shared.keys import Keys
 from shared.metrics import ApiMetrics
 from shared.queue import deserialize_job, serialize_job
 from shared.redis_url import async_pool
+from shared.redis_wire import pack_in_c
 from shared.relay_shards import keys_for, stream_shards
 
 
@@ -140,6 +141,7 @@ def create_app(
     `redis` and `tokenizer_loader` are for tests; by default they come from `settings`.
     """
     settings = settings or get_settings()
+    pack_in_c()
     services = build_services(settings, redis, tokenizer_loader)
 
     @asynccontextmanager

@@ -13,6 +13,7 @@ from loadtest.relay import STREAM_MAXLEN, Level
 from loadtest.relay_raw import Window, cpu_s, job_id
 from shared.contracts import DeltaEvent, JobPayload
 from shared.keys import Keys
+from shared.redis_wire import pack_in_c
 from shared.relay_shards import StreamShards
 from worker.engine.engine import SequenceOutput
 from worker.job_state import JobState
@@ -137,6 +138,7 @@ def _count_reads(clients: list) -> dict[str, int]:
 
 def real_process_main(kind: str, level: Level, job_indexes: list[int], pipe: Connection) -> None:
     """One real publisher or reader process: says it is ready, then waits for the start."""
+    pack_in_c()  # as the API and worker processes do
     pipe.send("ready")
     window = pipe.recv()
     work = _publish if kind == "publish" else _read

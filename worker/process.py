@@ -21,6 +21,7 @@ from shared.logging import safe_url
 from shared.metrics import WorkerMetrics
 from shared.queue import deserialize_job, serialize_job
 from shared.redis_url import arq_redis_settings
+from shared.redis_wire import pack_in_c
 from shared.retry import FOREVER, Backoff, retry
 from shared.tokenizer import Tokenizer, load_tokenizer
 from shared.tool_format import tokenizer_tool_format
@@ -49,6 +50,7 @@ class WorkerProcess:
     async def run(self) -> None:
         s = self.settings
         tracing.configure(s.otel_endpoint, "ladle-worker", self.worker_id)
+        pack_in_c()
         started = time.perf_counter()
         host = EngineHost()  # built and stepped on one thread: one OpenMP team
         build = build_embedding_engine if is_pooling_model(s.model_name, s.cache_dir) else LLMEngine
