@@ -77,10 +77,14 @@ def _all_pids() -> list[int]:
     return [int(p) for p in os.listdir("/proc") if p.isdigit()]
 
 
-async def profile(base_url: str, pids: dict[str, int], workload: Workload, conc: int) -> None:
+async def profile(
+    base_url: str, pids: dict[str, int], workload: Workload, conc: int, idle_s: float
+) -> None:
     client = OpenAIStreamClient(base_url, None, workload, max_connections=conc + 4)
     try:
         await client.prepare()
+        if idle_s > 0:
+            await measure_idle(pids, idle_s)
         await measure(client.send, pids, workload, conc)
     finally:
         await client.aclose()
@@ -95,6 +99,17 @@ async def profile_engine(workload: Workload, conc: int) -> None:
         await measure(driver.send, {"engine": os.getpid()}, workload, conc)
     finally:
         await asyncio.to_thread(driver.close)
+
+
+async def measure_idle(pids: dict[str, int], seconds: float) -> None:
+    """CPU each process spends with no request at all: polls, heartbeats, timers. Under
+    load it competes with the engine for the same cores."""
+    before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    await asyncio.sleep(seconds)
+    print(f"idle {seconds:.0f} s:")
+    for name, pid in pids.items():
+        used = cpu_seconds(pid) - before[name]
+        print(f"  {name:8s} {used:7.2f} CPU s  {100 * used / seconds:5.1f} % of a core")
 
 
 async def measure(send: SendFn, pids: dict[str, int], workload: Workload, conc: int) -> None:
@@ -139,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--engine", action="store_true", help="the engine in this process instead")
+    p.add_argument(
+        "--idle-seconds", type=float, default=0.0, help="first, each process's CPU with no load"
+    )
     args = p.parse_args(argv)
     workload = Workload(args.num_prompts, args.input_len, args.output_len, args.seed)
     if args.engine:
@@ -147,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     with running_service(1) as base_url:
         pids = service_pids()
         print("processes:", pids, flush=True)
-        asyncio.run(profile(base_url, pids, workload, args.concurrency))
+        asyncio.run(profile(base_url, pids, workload, args.concurrency, args.idle_seconds))
     return 0
 
 

@@ -162,6 +162,10 @@ def _combine(
     latencies = sorted(x for k, p in parts if k == "read" for x in p["latencies"])
     quantiles = statistics.quantiles(latencies, n=100) if len(latencies) > 100 else [0.0] * 99
     reads = total("read", "reads")
+
+    def us_per_token(kind: str) -> float:  # the clients' cost, finer than cores at low rates
+        return round(total(kind, "cpu_s") / span * 1e6 / delivered, 1) if delivered else 0.0
+
     return Result(
         topology=_topology_name(level),
         client=level.client,
@@ -179,6 +183,8 @@ def _combine(
             "published_tokens_per_s": round(total("publish", "published") / span),
             "dropped_tokens_per_s": round(total("publish", "dropped") / span),
             "publish_errors": total("publish", "errors"),
+            "publisher_cpu_us_per_token": us_per_token("publish"),
+            "reader_cpu_us_per_token": us_per_token("read"),
             "redis_cpu_cores_per_server": [round(c, 3) for c in per_server_cpu],
             "cpu_cores_per_process": {
                 f"{k}{i}": round(p["cpu_s"] / span, 2) for i, (k, p) in enumerate(parts)
