@@ -1,9 +1,10 @@
 """Commands packed into Redis's wire format in C, for the asyncio clients too.
 
 redis-py's blocking client packs with hiredis when it is installed; its asyncio client always
-packs in Python, and the publisher packs an XADD for every token (docs/benchmarks.md, "The
-relay's CPU a token"). `pack_in_c()` gives every asyncio connection of the process the
-blocking client's packer: the same bytes for the same arguments (tests/unit/test_redis_wire.py).
+packs in Python, and the publisher packs an XADD for every token (docs/benchmarks.md, "Zen 5,
+a day later": a fifth of the publisher's CPU a token). `pack_in_c()` gives every asyncio
+connection of the process the blocking client's packer: the same bytes for the same arguments
+(tests/unit/test_redis_wire.py).
 """
 
 from __future__ import annotations
