@@ -80,7 +80,10 @@ def test_requests_and_jobs_work_with_streams_on_shards(
         holder = shards[shard_of(stream, NUM_SHARDS)].client()
         entries = holder.xrange(stream)
         assert json.loads(entries[-1][1][b"data"])["type"] == "done"  # the one terminal event
-    assert all(n > 0 for n in _streams_per_shard(shards, svc.prefix)), "a shard got no stream"
+    # Spread, not all on one: 14 random job ids leave some shard empty 1 % of the time (3 x
+    # (2/3)^14), and put all on one shard 6e-7 of the time.
+    holding = [n for n, count in enumerate(_streams_per_shard(shards, svc.prefix)) if count]
+    assert len(holding) > 1, f"every stream on shard {holding}"
 
 
 def _streams_per_shard(shards: list[Node], prefix: str) -> list[int]:
