@@ -364,6 +364,46 @@ def test_int4_on_float32_computes_the_q8_dot_products(out_features, in_features)
         assert float((got - exact).abs().max()) < 0.02 * float(exact.abs().max())
 
 
+def _q8_definition(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """p, d and d * sum(p) per group of 32 by the definition, one IEEE operation at a time:
+    d = max |x| / 127 (NaN where a value is not finite), p = clamp(round(x / d)); a product
+    that is not a number becomes -127, as the kernels' conversion makes it."""
+    groups = x.reshape(x.shape[0], -1, 32)
+    finite = torch.isfinite(groups).all(dim=2)
+    amax = torch.where(torch.isfinite(groups), groups.abs(), torch.zeros(())).amax(dim=2)
+    d = torch.where(finite, amax / 127, torch.full_like(amax, float("nan")))
+    inverse = torch.where(finite & (d > 0), 1 / d, torch.zeros_like(d))
+    r = torch.round(groups * inverse[..., None])
+    p = torch.where(r.isfinite(), r.clamp(-127, 127), torch.full_like(r, -127)).to(torch.int8)
+    return p.reshape(x.shape), d, d * p.sum(dim=2, dtype=torch.int32).float()
+
+
+@pytest.mark.parametrize("rows,in_features", [(1, 576), (3, 1536), (300, 576), (2048, 64)])
+def test_q8_quantizing_is_the_definition_bit_for_bit(rows, in_features):
+    """The float32-activation kernels' x quantizing (vectorised, threaded over groups for many
+    rows) gives exactly the definition's p, d and d * sum(p), zeros, NaN and inf included, on
+    one thread and on two."""
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_features, generator=generator) * 10
+    x *= torch.rand(rows, 1, generator=generator)
+    x[0, :32] = 0.0
+    if rows > 2:
+        x[1, 40] = float("nan")
+        x[2, 7] = float("inf")
+    expected = _q8_definition(x)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            got = torch.ops.ladle_native.quantize_q8(x)
+            assert torch.equal(got[0], expected[0])
+            for have, want in zip(got[1:], expected[1:], strict=True):
+                assert torch.equal(have.isnan(), want.isnan())
+                assert torch.equal(have.nan_to_num(0.0), want.nan_to_num(0.0))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_int4_on_float32_propagates_nan_and_zero_rows():
     from worker.layers.quant import quantize_int4
 

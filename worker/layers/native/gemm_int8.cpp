@@ -245,6 +245,23 @@ at::Tensor gemm_int8_f32(const at::Tensor& x, const at::Tensor& packed, int64_t 
 #endif
 }
 
+// x [rows, K] float32 as the float32-activation kernels quantize it: (p int8 [rows, K], d and
+// d * sum(p) float32 [rows, K / 32]). For the tests: the kernels' products are these p.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_q8(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % kQ8Group == 0,
+              "x must be 2-D float32 with K % 32 == 0");
+  const at::Tensor xc = x.contiguous();
+  const int64_t rows = x.size(0), K = x.size(1);
+  const Q8Rows q = quantize_rows(xc.data_ptr<float>(), rows, K);
+  at::Tensor p = at::empty({rows, K}, x.options().dtype(at::kChar));
+  at::Tensor d = at::empty({rows, K / kQ8Group}, x.options());
+  at::Tensor ds = at::empty_like(d);
+  std::memcpy(p.data_ptr<int8_t>(), q.p.data(), q.p.size());
+  std::memcpy(d.data_ptr<float>(), q.d.data(), q.d.size() * sizeof(float));
+  std::memcpy(ds.data_ptr<float>(), q.ds.data(), q.ds.size() * sizeof(float));
+  return {p, d, ds};
+}
+
 bool int8_available() {
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
   return true;
@@ -266,6 +283,7 @@ TORCH_LIBRARY_FRAGMENT(ladle_native, m) {
   m.def("int8_available() -> bool", &int8_available);
   m.def("gemm_int8(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
   m.def("gemm_int8_f32(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
+  m.def("quantize_q8(Tensor x) -> (Tensor, Tensor, Tensor)", &quantize_q8);
 }
 
 TORCH_LIBRARY_IMPL(ladle_native, CPU, m) {
