@@ -57,9 +57,10 @@ def decode_tensors(
         c.block_ids[:max_blocks] + c.block_ids[:1] * (max_blocks - len(c.block_ids[:max_blocks]))
         for c in chunks
     ]
-    counts = torch.tensor([c.num_tokens for c in chunks], dtype=torch.long)
     tables = torch.tensor(per_chunk, dtype=torch.long).reshape(len(chunks), max_blocks)
-    tables = tables.repeat_interleave(counts, dim=0)
+    if any(c.num_tokens != 1 for c in chunks):  # a plain decode step has its rows already
+        counts = torch.tensor([c.num_tokens for c in chunks], dtype=torch.long)
+        tables = tables.repeat_interleave(counts, dim=0)
     num_pad = (num_rows or len(context_lens)) - len(context_lens)
     if num_pad:
         pad = torch.full((num_pad, max_blocks), pad_block, dtype=torch.long)
