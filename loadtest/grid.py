@@ -55,7 +55,7 @@ def workload_for(shape: str, concurrency: int, vocab_size: int, seed: int = 0) -
     were an earlier cell's, and both servers' prefix caches served them."""
     input_len, output_len = SHAPES[shape]
     return Workload(
-        num_prompts=max(8, 2 * concurrency),
+        num_prompts=max(64, 2 * concurrency),  # 8 ended a one-client chat cell in ~10 s
         input_len=input_len,
         output_len=output_len,
         vocab_size=vocab_size,

@@ -276,7 +276,8 @@ def test_grid_table_puts_ladle_beside_vllm_and_llama_server() -> None:
     assert lines[-1].startswith("| 16 |") and "300.0 (100 / 100.0) | - | 200.0" in lines[-1]
     assert lines[-1].endswith("| 1.50 | - |")
     rag = workload_for("rag", 16, 49152)
-    assert (rag.input_len, rag.output_len, rag.num_prompts) == (2048, 128, 32)
+    assert (rag.input_len, rag.output_len, rag.num_prompts) == (2048, 128, 64)
+    assert workload_for("chat", 64, 49152).num_prompts == 128
     # no cell starts with another cell's prompts: the prefix caches would serve them
     firsts = {
         tuple(workload_for(shape, c, 49152, seed).prompts(0)[0][:16])
