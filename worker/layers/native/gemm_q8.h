@@ -26,10 +26,13 @@ struct Q8Rows {
 };
 
 #if defined(__AVX2__)
-// One group's p (32 bytes at `p`), d and d * sum(p), lane for lane the scalar definition
-// (`quantize_group_scalar`): the same max, division, product and rounding (`vroundps` in the
-// current mode is `nearbyint`; `vcvttps2dq` the cast, a NaN's INT_MIN included), so the
-// same bits, at a few instructions per 8 values instead of ~13 per value.
+// One group's p (32 bytes at `p`), d and d * sum(p). The definition: d = max |x| / 127 (NaN
+// where a value is not finite, so the row's outputs are NaN as in float math), p =
+// clamp(nearbyint(x * (1 / d)), -127, 127), where a product that is not a number becomes
+// -127 (the cast's INT_MIN), and 1 / d is 0 where d is 0 or NaN. Written in vectors, one IEEE
+// operation per value as a scalar loop would (`vroundps` in the current mode is `nearbyint`),
+// a few instructions per 8 values where the scalar loop took ~13 a value;
+// `test_q8_quantizing_is_the_definition_bit_for_bit` checks the bits against torch.
 inline void quantize_group(const float* v, int8_t* p, float& d, float& ds) {
   const __m256 sign = _mm256_set1_ps(-0.0f), inf = _mm256_set1_ps(INFINITY);
   __m256 x[4], amax = _mm256_setzero_ps(), finite = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
@@ -48,40 +51,21 @@ inline void quantize_group(const float* v, int8_t* p, float& d, float& ds) {
   const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
   __m256i q[4], sum = _mm256_setzero_si256();
   for (int i = 0; i < 4; ++i) {
-    const __m256 r = _mm256_round_ps(_mm256_mul_ps(x[i], inv), _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC);
+    const __m256 r =
+        _mm256_round_ps(_mm256_mul_ps(x[i], inv), _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC);
     q[i] = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvttps_epi32(r), lo), hi);
     sum = _mm256_add_epi32(sum, q[i]);
   }
   // packs work within 128-bit lanes: dwords come out as q0 q1 q2 q3 (low halves), then the
   // high halves; the permute puts each q's eight bytes back in order
-  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+  const __m256i bytes =
+      _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
                       _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
   ds = d * static_cast<float>(_mm_cvtsi128_si32(s));
-}
-#endif
-
-// The definition (and the path without AVX2): d = max |x| / 127, p = clamp(round(x / d)).
-inline void quantize_group_scalar(const float* v, int8_t* p, float& d_out, float& ds_out) {
-  float amax = 0.0f;
-  bool finite = true;
-  for (int64_t k = 0; k < kQ8Group; ++k) {
-    amax = std::max(amax, std::fabs(v[k]));
-    finite = finite && std::isfinite(v[k]);
-  }
-  // a NaN or inf input makes the group's d NaN, so the row's outputs are NaN as in float math
-  const float d = finite ? amax / 127.0f : NAN, inv = finite && d > 0.0f ? 1.0f / d : 0.0f;
-  int32_t sum = 0;
-  for (int64_t k = 0; k < kQ8Group; ++k) {
-    const int32_t q = std::clamp(static_cast<int32_t>(std::nearbyint(v[k] * inv)), -127, 127);
-    p[k] = static_cast<int8_t>(q);
-    sum += q;
-  }
-  d_out = d;
-  ds_out = d * static_cast<float>(sum);
 }
 
 // Groups are independent, so threads may split them (many rows: a prefill chunk's x).
@@ -92,13 +76,8 @@ inline Q8Rows quantize_rows(const float* x, int64_t rows, int64_t K) {
   Q8Rows out{std::vector<int8_t>(static_cast<size_t>(rows * K)),
              std::vector<float>(static_cast<size_t>(n)), std::vector<float>(static_cast<size_t>(n))};
   const auto run = [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-#if defined(__AVX2__)
+    for (int64_t i = begin; i < end; ++i)
       quantize_group(x + i * kQ8Group, out.p.data() + i * kQ8Group, out.d[i], out.ds[i]);
-#else
-      quantize_group_scalar(x + i * kQ8Group, out.p.data() + i * kQ8Group, out.d[i], out.ds[i]);
-#endif
-    }
   };
   if (n < 2 * kQuantizeGrain)
     run(0, n);
@@ -179,5 +158,7 @@ at::Tensor q8_op(const char* mode, const at::Tensor& x, const at::Tensor& packed
                     M, N, K, group_bytes);
   return y;
 }
+
+#endif  // __AVX2__
 
 }  // namespace ladle
