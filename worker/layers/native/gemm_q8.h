@@ -68,8 +68,9 @@ inline void quantize_group(const float* v, int8_t* p, float& d, float& ds) {
   ds = d * static_cast<float>(_mm_cvtsi128_si32(s));
 }
 
-// Groups are independent, so threads may split them (many rows: a prefill chunk's x).
-constexpr int64_t kQuantizeGrain = 1024;  // groups a thread takes at least
+// Groups are independent, so threads may split them where there are more than this many
+// (many rows: a prefill chunk's x); fewer are quantized on the calling thread.
+constexpr int64_t kQuantizeGrain = 2048;
 
 inline Q8Rows quantize_rows(const float* x, int64_t rows, int64_t K) {
   const int64_t n = rows * (K / kQ8Group);
@@ -79,10 +80,7 @@ inline Q8Rows quantize_rows(const float* x, int64_t rows, int64_t K) {
     for (int64_t i = begin; i < end; ++i)
       quantize_group(x + i * kQ8Group, out.p.data() + i * kQ8Group, out.d[i], out.ds[i]);
   };
-  if (n < 2 * kQuantizeGrain)
-    run(0, n);
-  else
-    at::parallel_for(0, n, kQuantizeGrain, run);
+  at::parallel_for(0, n, kQuantizeGrain, run);
   return out;
 }
 
