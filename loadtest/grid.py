@@ -2,7 +2,7 @@
 
     python -m loadtest.grid [--model GGUF] [--servers ladle,ladle-4bit,vllm,llama-server]
         [--shapes chat,rag,long] [--concurrency 1,16,64] [--max-seconds 40]
-        [--md .cache/grid.md] [--json .cache/grid.json] [--png docs/grid.png]
+        [--md .cache/grid.md] [--json .cache/grid.json] [--png .cache/grid.png]
 
 Servers, each started once and driven by the same load generator (`loadtest.bench_serve`:
 streaming /v1/completions, random token-id prompts, greedy, ignore_eos):
@@ -229,7 +229,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--md", default=str(ROOT / ".cache" / "grid.md"))
     p.add_argument("--json", dest="json_out", default=str(ROOT / ".cache" / "grid.json"))
-    p.add_argument("--png", default=str(ROOT / "docs" / "grid.png"))
+    # a run writes into docs/ only when asked: docs/grid.png is the plot of one documented run
+    p.add_argument("--png", default=str(ROOT / ".cache" / "grid.png"))
     return p.parse_args(argv)
 
 
