@@ -248,9 +248,7 @@ at::Tensor gemm_int8_f32(const at::Tensor& x, const at::Tensor& packed, int64_t 
 // x [rows, K] float32 as the float32-activation kernels quantize it: (p int8 [rows, K], d and
 // d * sum(p) float32 [rows, K / 32]). For the tests: the kernels' products are these p.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_q8(const at::Tensor& x) {
-#if !defined(__AVX2__)
-  TORCH_CHECK(false, "ladle_native.quantize_q8: built without AVX2");
-#else
+#if defined(__AVX2__)
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % kQ8Group == 0,
               "x must be 2-D float32 with K % 32 == 0");
   const at::Tensor xc = x.contiguous();
@@ -263,6 +261,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_q8(const at::Tensor& x) 
   std::memcpy(d.data_ptr<float>(), q.d.data(), q.d.size() * sizeof(float));
   std::memcpy(ds.data_ptr<float>(), q.ds.data(), q.ds.size() * sizeof(float));
   return {p, d, ds};
+#else
+  TORCH_CHECK(false, "ladle_native.quantize_q8: built without AVX2");
 #endif
 }
 

@@ -31,7 +31,7 @@ struct Q8Rows {
 // clamp(nearbyint(x * (1 / d)), -127, 127), where a product that is not a number becomes
 // -127 (the cast's INT_MIN), and 1 / d is 0 where d is 0 or NaN. Written in vectors, one IEEE
 // operation per value as a scalar loop would (`vroundps` in the current mode is `nearbyint`),
-// a few instructions per 8 values where the scalar loop took ~13 a value;
+// a few instructions per 8 values where a scalar loop takes ~13 a value;
 // `test_q8_quantizing_is_the_definition_bit_for_bit` checks the bits against torch.
 inline void quantize_group(const float* v, int8_t* p, float& d, float& ds) {
   const __m256 sign = _mm256_set1_ps(-0.0f), inf = _mm256_set1_ps(INFINITY);
