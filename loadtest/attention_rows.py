@@ -8,9 +8,10 @@ Shapes are SmolLM2-135M's (9 query heads, 3 KV heads, head_dim 64, blocks of 16)
 the CPU has the bf16 kernels, else float32 (what the engine serves there). A
 prefill of L tokens is L rows over one block table with context lengths 1..L, against SDPA's
 causal attention over the same keys (flash attention on CPU); decode is B rows of B sequences
-of ~`context` cached tokens. `--keys`: the key cache plain, or packed as the engine's row
-attention keeps it (`native.pack_keys`). Best of 5 runs each, with the largest difference
-from SDPA's output.
+of ~`context` cached tokens. `--keys`: the key cache plain, packed as the engine's row
+attention keeps it (`native.pack_keys`), or `tiles`: keys and values packed and attended on
+the AMX tiles (`tiles=True`, where the CPU has them). Best of 5 runs each, with the largest
+difference from SDPA's output.
 """
 
 from __future__ import annotations
@@ -42,7 +43,17 @@ def best_ms(fn: Callable[[], object], runs: int = 5) -> float:
     return best * 1e3
 
 
-def prefill(length: int, packed: bool) -> tuple[float, float, float]:
+def layout(k_cache: torch.Tensor, v_cache: torch.Tensor, keys: str) -> dict:
+    """The caches as `keys` lays them out, and the matching `attention_rows` arguments."""
+    if keys == "plain":
+        return {"k_cache": k_cache, "v_cache": v_cache}
+    packed = {"k_cache": native.pack_keys(k_cache), "v_cache": v_cache, "packed_keys": True}
+    if keys == "tiles":
+        packed.update(v_cache=native.pack_values(v_cache), tiles=True)
+    return packed
+
+
+def prefill(length: int, keys: str) -> tuple[float, float, float]:
     """(rows ms, SDPA ms, max |difference|) for one prompt of `length` tokens."""
     num_blocks = -(-length // BLOCK)
     k_cache = torch.randn(KV_HEADS, num_blocks + 4, BLOCK, HEAD_DIM).to(dtype())
@@ -55,10 +66,10 @@ def prefill(length: int, packed: bool) -> tuple[float, float, float]:
     k = k_cache[:, order].reshape(KV_HEADS, -1, HEAD_DIM)[None, :, :length]
     v = v_cache[:, order].reshape(KV_HEADS, -1, HEAD_DIM)[None, :, :length]
 
-    keys = native.pack_keys(k_cache) if packed else k_cache
+    cache = layout(k_cache, v_cache, keys)
 
     def rows() -> torch.Tensor:
-        return native.attention_rows(q, keys, v_cache, tables, lens, scale, packed_keys=packed)
+        return native.attention_rows(q, tables=tables, context_lens=lens, scale=scale, **cache)
 
     def sdpa() -> torch.Tensor:
         qq = q.transpose(0, 1)[None]
@@ -70,16 +81,16 @@ def prefill(length: int, packed: bool) -> tuple[float, float, float]:
     return best_ms(rows), best_ms(sdpa), error
 
 
-def decode(batch: int, packed: bool, context: int = 256) -> float:
+def decode(batch: int, keys: str, context: int = 256) -> float:
     num_blocks = -(-context // BLOCK)
     k_cache = torch.randn(KV_HEADS, batch * num_blocks, BLOCK, HEAD_DIM).to(dtype())
     v_cache = torch.randn_like(k_cache)
     tables = torch.randperm(batch * num_blocks).view(batch, num_blocks)
     lens = context - torch.arange(batch)
     q = torch.randn(batch, HEADS, HEAD_DIM).to(dtype())
-    keys = native.pack_keys(k_cache) if packed else k_cache
+    cache = layout(k_cache, v_cache, keys)
     return best_ms(
-        lambda: native.attention_rows(q, keys, v_cache, tables, lens, 0.125, packed_keys=packed),
+        lambda: native.attention_rows(q, tables=tables, context_lens=lens, scale=0.125, **cache),
         20,
     )
 
@@ -90,10 +101,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--decode", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--threads", type=int, nargs="+", default=[1, os.cpu_count() or 1])
     p.add_argument("--context", type=int, default=256, help="cached tokens per decode row")
-    p.add_argument("--keys", nargs="+", choices=["plain", "packed"], default=["plain", "packed"])
+    p.add_argument(
+        "--keys", nargs="+", choices=["plain", "packed", "tiles"], default=["plain", "packed"]
+    )
     args = p.parse_args(argv)
     if not native.load(None):
         raise SystemExit(f"native kernels unavailable: {native.status()}")
+    if "tiles" in args.keys and not native.attention_tiles_usable():
+        raise SystemExit("--keys tiles: no AMX tiles (or no bf16 kernels) on this CPU")
     torch.manual_seed(0)
     print(f"load average {os.getloadavg()[0]:.1f}")
     print("| threads | keys | case | rows ms | SDPA ms | rows / SDPA | max abs diff |")
@@ -101,15 +116,14 @@ def main(argv: list[str] | None = None) -> None:
     for threads in args.threads:
         torch.set_num_threads(threads)
         for keys in args.keys:
-            packed = keys == "packed"
             for length in args.prefill:
-                rows, sdpa, error = prefill(length, packed)
+                rows, sdpa, error = prefill(length, keys)
                 print(
                     f"| {threads} | {keys} | prefill {length} | {rows:.2f} | {sdpa:.2f} "
                     f"| {rows / sdpa:.2f} | {error:.3g} |"
                 )
             for batch in args.decode:
-                ms = decode(batch, packed, args.context)
+                ms = decode(batch, keys, args.context)
                 case = f"decode B={batch}, {args.context} cached"
                 print(f"| {threads} | {keys} | {case} | {ms:.3f} | | | |")
 

@@ -52,6 +52,10 @@ namespace {
 
 using namespace ladle;
 
+// std::fmax(m, x) for a running maximum that starts at -inf: a NaN x is skipped, as fmax skips
+// it, so m never is one. Inline: gcc makes fmax a libm call, one per 16 keys and head here.
+inline float running_max(float m, float x) { return x > m ? x : m; }
+
 #if defined(LADLE_V16)
 
 constexpr int kMaxGroup = 16;  // query heads per KV head
@@ -202,7 +206,7 @@ void score(const typename E::In* q, int64_t q_head_stride, int G, const typename
       V16 s = v_mul(sum_lanes(acc), v_set1(scale));
       if (cap > 0.0f) s = softcap_ps(s, cap);
       v_store_first(scores + g * len + p0, s, n);
-      maxes[g] = std::fmax(maxes[g], v_max_first(s, n));
+      maxes[g] = running_max(maxes[g], v_max_first(s, n));
     }
   }
 }
@@ -252,12 +256,12 @@ void score_packed_heads(const typename E::In* q, int64_t q_head_stride,
       float* row = scores + n * len;
       if (lo == 0) {  // every run but a window's first: lanes [0, hi) are positions
         v_store_first(row + (run - first), sc, hi);
-        maxes[n] = std::fmax(maxes[n], v_max_first(sc, hi));
+        maxes[n] = running_max(maxes[n], v_max_first(sc, hi));
       } else {
         v_store(lanes, sc);
         for (int64_t j = lo; j < hi; ++j) {
           row[run + j - first] = lanes[j];
-          maxes[n] = std::fmax(maxes[n], lanes[j]);
+          maxes[n] = running_max(maxes[n], lanes[j]);
         }
       }
     }
@@ -651,7 +655,7 @@ void attend_tiles(const TilePair* pairs, int n, const uint16_t* keys_base,
         sc = softcap_ps(sc, cap);
         v_store_first(row + p, sc, k);
       }
-      max = std::fmax(max, v_max_first(sc, k));
+      max = running_max(max, v_max_first(sc, k));
     }
     V16 total = v_zero();
     for (int64_t r = 0; r < runs; ++r) {
