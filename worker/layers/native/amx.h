@@ -6,6 +6,9 @@
 #include <unistd.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <new>
+#include <vector>
 
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
 
@@ -21,6 +24,27 @@ struct alignas(64) TileConfig {
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
 };
+
+// Storage on whole 64-byte lines for buffers the tiles load or store: a tile row that
+// straddles two lines costs several times one that does not (docs/benchmarks.md), and glibc's
+// malloc aligns to 16 bytes only.
+template <class T>
+struct LineAllocator {
+  using value_type = T;
+  LineAllocator() = default;
+  template <class U>
+  LineAllocator(const LineAllocator<U>&) {}
+  T* allocate(size_t n) {
+    void* p = std::aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64);
+    if (p == nullptr) throw std::bad_alloc();
+    return static_cast<T*>(p);
+  }
+  void deallocate(T* p, size_t) { std::free(p); }
+  friend bool operator==(const LineAllocator&, const LineAllocator&) { return true; }
+  friend bool operator!=(const LineAllocator&, const LineAllocator&) { return false; }
+};
+template <class T>
+using LineVector = std::vector<T, LineAllocator<T>>;
 
 inline bool amx_permitted() {
   // Linux hands out the AMX tile state only on request (oneDNN asks too; asking twice is fine).

@@ -275,7 +275,7 @@ void gemm_amx(const uint16_t* x, const uint8_t* packed, const float* bias, uint1
   // Past 16 rows every tile has 16: the last, short one is read from a copy padded with zero
   // rows (a row's sums do not depend on the tile's other rows).
   const int64_t tile_rows = std::min<int64_t>(M, 16), whole = M > 16 ? M / 16 * 16 : M;
-  std::vector<uint16_t> padded;
+  LineVector<uint16_t> padded;  // an A tile's rows: on whole lines
   if (whole < M) {
     padded.assign(16 * K, 0);
     std::memcpy(padded.data(), x + whole * K, (M - whole) * K * sizeof(uint16_t));
