@@ -1,8 +1,10 @@
 """Decode attention over a served pool's block order: a sequence's blocks in order, in
-descending runs (how a freed sequence's blocks come back off the free list) or scattered.
+descending runs (how a freed sequence's blocks come back off the free list), as a service
+lays them out (`served`: the prompt's 8 blocks in order, then one block per sequence in turn,
+as sequences that decode in step take their next blocks off the free list) or scattered.
 
     .venv/bin/python -m loadtest.kv_scatter [--context 256 1024] [--rows 1 16 64]
-        [--threads 2] [--rounds 40]
+        [--threads 2] [--rounds 40] [--keys packed|tiles]
 
 Thirty layers of SmolLM2-135M's attention (9 query heads, 3 KV heads, head_dim 64, blocks of
 16), each layer its own 2 GiB-sized pool of packed bf16 keys and values (float32 where the
@@ -26,7 +28,8 @@ from worker.engine.kv_cache import zeroed
 from worker.layers import native
 
 LAYERS = 30
-ORDERS = ("ordered", "descending", "scattered")
+ORDERS = ("ordered", "descending", "served", "scattered")
+PROMPT_BLOCKS = 8  # the grid's 128-token prompts
 
 
 def block_rows(order: str, rows: int, blocks: int, pool: int, rng: random.Random) -> list:
@@ -37,6 +40,11 @@ def block_rows(order: str, rows: int, blocks: int, pool: int, rng: random.Random
             tables.append(list(range(start, start + blocks)))
         elif order == "descending":
             tables.append(list(range(start + blocks - 1, start - 1, -1)))
+        elif order == "served":
+            row, prompt = len(tables), min(PROMPT_BLOCKS, blocks)
+            first = row * prompt  # prompts side by side, then the decode blocks dealt in turn
+            decode = [rows * prompt + j * rows + row for j in range(blocks - prompt)]
+            tables.append(list(range(first, first + prompt)) + decode)
         else:
             tables.append(rng.sample(range(pool), blocks))
     return tables
@@ -49,6 +57,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--pool-gib", type=float, default=2.0)
+    parser.add_argument(
+        "--keys",
+        choices=["packed", "tiles"],
+        default="packed",
+        help="the vector kernel over packed keys, or the AMX tiles (packed keys and values)",
+    )
     args = parser.parse_args()
     native.load()
     torch.set_num_threads(args.threads)
@@ -62,8 +76,11 @@ def main() -> None:
     }
     for layers in pools.values():
         for cache in layers:
-            cache.normal_()
-    print(f"{kind}, {pool} blocks a layer, {args.threads} threads")
+            cache.normal_()  # random bits either way: the layout only moves bytes around
+    tiles = args.keys == "tiles"
+    if tiles and not native.attention_tiles_usable():
+        raise SystemExit("--keys tiles: no AMX tiles (or no bf16 kernels) on this CPU")
+    print(f"{kind}, {pool} blocks a layer, {args.threads} threads, keys {args.keys}")
     rng = random.Random(0)
     for context in args.context:
         for rows in args.rows:
@@ -77,7 +94,14 @@ def main() -> None:
                     started = time.perf_counter()
                     for cache in pools[name]:
                         native.attention_rows(
-                            q, cache[0], cache[1], table, lens, HEAD_DIM**-0.5, packed_keys=True
+                            q,
+                            cache[0],
+                            cache[1],
+                            table,
+                            lens,
+                            HEAD_DIM**-0.5,
+                            packed_keys=True,
+                            tiles=tiles,
                         )
                     times[order, name].append(1000 * (time.perf_counter() - started))
             for name in pools:
