@@ -1,10 +1,12 @@
-// What the AMX kernels (gemm_bf16.cpp, gemm_int4.cpp) share: the tile configuration and the
-// kernel's permission to use the tiles.
+// What the AMX kernels (gemm_bf16.cpp, gemm_int4.cpp, attention.cpp) share: the tile
+// configuration, scratch storage on whole cache lines and the kernel's permission to use the
+// tiles.
 #pragma once
 
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <new>
@@ -35,7 +37,7 @@ struct LineAllocator {
   template <class U>
   LineAllocator(const LineAllocator<U>&) {}
   T* allocate(size_t n) {
-    void* p = std::aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64);
+    void* p = std::aligned_alloc(64, (std::max<size_t>(n * sizeof(T), 1) + 63) / 64 * 64);
     if (p == nullptr) throw std::bad_alloc();
     return static_cast<T*>(p);
   }
