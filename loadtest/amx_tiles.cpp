@@ -1,26 +1,22 @@
 // What an AMX bf16 tile multiply costs with its operands loaded from L1, from L2 or across
-// cache lines: the cycles per `tdpbf16ps` of gemm_bf16.cpp's tile loop (x rows in one A
+// cache lines: the time per `tdpbf16ps` of gemm_bf16.cpp's tile loop (x rows in one A
 // tile, four weight blocks' B tiles, four C tiles) and of variants, one core.
-//   g++ -O2 -march=native -o /tmp/amx_tiles loadtest/amx_tiles.cpp && /tmp/amx_tiles [groups]
-// `groups` (default 12) sets the weights' size: 74 KB each, so 12 sit in L2 and 400 do not.
-// The shift argument misaligns every buffer by that many bytes (glibc's malloc gives 16).
+//   g++ -O2 -march=native -I worker/layers/native -o /tmp/amx_tiles loadtest/amx_tiles.cpp
+//   /tmp/amx_tiles [groups] [shift]
+// `groups` (default 12) sets the weights' size: 74 KB each, so 12 fit in L2 and 400 do not.
+// `shift` misaligns every buffer by that many bytes (glibc's malloc gives 16).
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 
+#include "amx.h"
+
 namespace {
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+using ladle::TileConfig;
 
 constexpr int K = 576, KK = K / 32, M = 64;  // SmolLM2-135M's hidden size, 64 decode rows
 
@@ -109,7 +105,7 @@ uint16_t* bf16_buffer(size_t n, int shift) {
 int main(int argc, char** argv) {
   const int groups = argc > 1 ? std::atoi(argv[1]) : 12;
   const int shift = argc > 2 ? std::atoi(argv[2]) : 0;
-  if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) {  // ARCH_REQ_XCOMP_PERM, XTILEDATA
+  if (!ladle::amx_permitted()) {
     std::puts("no AMX here");
     return 1;
   }

@@ -33,6 +33,8 @@ PROMPT_BLOCKS = 8  # the grid's 128-token prompts
 
 
 def block_rows(order: str, rows: int, blocks: int, pool: int, rng: random.Random) -> list:
+    if order == "served" and rows * blocks > pool:
+        raise SystemExit(f"served: {rows} x {blocks} blocks do not fit a {pool}-block pool")
     tables = []
     for _ in range(rows):
         start = rng.randrange(pool - blocks)
