@@ -522,7 +522,7 @@ struct TileScratch {  // what the tiles load and store, on whole lines
   LineVector<float> scores;      // [16][span]: scores, then weights
   LineVector<uint16_t> weights;  // [runs][hi, lo][16 pairs][16 positions]
   LineVector<uint16_t> tail;     // the last run's values, zeros past the sequence
-  int configured = 0;             // the rows the tiles are configured for (0: none yet)
+  int configured = 0;            // the rows the tiles are configured for (0: none yet)
   alignas(64) float sums[kValueTiles][16][16];
 };
 
