@@ -53,6 +53,12 @@ def layout(k_cache: torch.Tensor, v_cache: torch.Tensor, keys: str) -> dict:
     return packed
 
 
+def require_layouts(keys: list[str]) -> None:
+    """Exit with the reason where a `--keys` layout cannot run on this CPU."""
+    if "tiles" in keys and not native.attention_tiles_usable():
+        raise SystemExit("--keys tiles: no AMX tiles (or no bf16 kernels) on this CPU")
+
+
 def prefill(length: int, keys: str) -> tuple[float, float, float]:
     """(rows ms, SDPA ms, max |difference|) for one prompt of `length` tokens."""
     num_blocks = -(-length // BLOCK)
@@ -107,8 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if not native.load(None):
         raise SystemExit(f"native kernels unavailable: {native.status()}")
-    if "tiles" in args.keys and not native.attention_tiles_usable():
-        raise SystemExit("--keys tiles: no AMX tiles (or no bf16 kernels) on this CPU")
+    require_layouts(args.keys)
     torch.manual_seed(0)
     print(f"load average {os.getloadavg()[0]:.1f}")
     print("| threads | keys | case | rows ms | SDPA ms | rows / SDPA | max abs diff |")

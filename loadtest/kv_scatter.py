@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from loadtest.attention_rows import BLOCK, HEAD_DIM, HEADS, KV_HEADS, dtype
+from loadtest.attention_rows import BLOCK, HEAD_DIM, HEADS, KV_HEADS, dtype, require_layouts
 from worker.engine.kv_cache import zeroed
 from worker.layers import native
 
@@ -79,9 +79,8 @@ def main() -> None:
     for layers in pools.values():
         for cache in layers:
             cache.normal_()  # random bits either way: the layout only moves bytes around
+    require_layouts([args.keys])
     tiles = args.keys == "tiles"
-    if tiles and not native.attention_tiles_usable():
-        raise SystemExit("--keys tiles: no AMX tiles (or no bf16 kernels) on this CPU")
     print(f"{kind}, {pool} blocks a layer, {args.threads} threads, keys {args.keys}")
     rng = random.Random(0)
     for context in args.context:
