@@ -1,6 +1,7 @@
 """How fast the native int4 kernel streams a decode step's projections (M = 1).
 
     .venv/bin/python -m loadtest.int4_stream [--threads 1 2] [--layers 30] [--reps 20]
+                                             [--kernel auto|avx512|vnni|amx|f32 ...]
 
 Packs random int4 weights of SmolLM2-135M's projection shapes (fused qkv 960x576, o 576x576,
 gate_up 3072x576, down 576x1536) for `--layers` layers, then times one pass over all of
@@ -13,6 +14,7 @@ here) and each shape timed alone on one weight (in cache: the kernel's own rate)
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from collections.abc import Callable
 
@@ -36,12 +38,18 @@ def packed_layers(
     return layers
 
 
-def kernel() -> tuple[object, torch.dtype, Callable[..., torch.Tensor]]:
-    """The int4 op decode runs here, its x dtype and the packing it reads: on bf16 x with
-    AVX512-BF16, else on float32 x (AVX2)."""
-    if native.bf16():
-        return torch.ops.ladle_native.gemm_int4, torch.bfloat16, native.pack_int4
-    return torch.ops.ladle_native.gemm_int4_f32, torch.float32, native.pack_int4_q8
+def kernel(name: str = "auto") -> tuple[object, torch.dtype, Callable[..., torch.Tensor]]:
+    """An int4 op, its x dtype and the packing it reads: `avx512` (bf16 x on `vdpbf16ps`),
+    `vnni` (bf16 x quantized to int8, `vpdpbusd`), `amx` (bf16 x on the tiles), `f32` (float32
+    x quantized to int8, AVX2); `auto` the one decode runs here (`LLM_INT4_KERNEL`)."""
+    if name == "auto":
+        name = native.int4_kernel(3072, 576) if native.bf16() else "f32"
+    ops = torch.ops.ladle_native
+    if name in ("avx512", "amx"):
+        return functools.partial(ops.gemm_int4, amx=name == "amx"), torch.bfloat16, native.pack_int4
+    if name == "vnni":
+        return ops.gemm_int4_q8, torch.bfloat16, native.pack_int4_q8
+    return ops.gemm_int4_f32, torch.float32, native.pack_int4_q8
 
 
 def one_pass(
@@ -64,11 +72,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument(
+        "--kernel", nargs="+", default=["auto"], choices=["auto", "avx512", "vnni", "amx", "f32"]
+    )
     args = parser.parse_args(argv)
     if not native.configure(True):
         print(f"native kernels unavailable: {native.status()}")
         return 1
-    gemm, dtype, pack = kernel()
+    for name in args.kernel:
+        print(f"kernel {name}:")
+        stream(*kernel(name), args)
+    return 0
+
+
+def stream(
+    gemm: object, dtype: torch.dtype, pack: Callable[..., torch.Tensor], args: argparse.Namespace
+) -> None:
     layers = packed_layers(args.layers, pack)
     xs = {k: torch.randn(1, k).to(dtype) for k in (576, 1536)}
     total = sum(packed.numel() for packed, _, _ in layers)
@@ -88,7 +107,6 @@ def main(argv: list[str] | None = None) -> int:
                 f"  {n}x{k} in cache: {alone * 1e6:.1f} us "
                 f"({packed.numel() / alone / 1e9:.1f} GB/s)"
             )
-    return 0
 
 
 if __name__ == "__main__":

@@ -194,8 +194,9 @@ def main() -> None:
     parser.add_argument(
         "--int4-kernel",
         default="auto",
-        choices=["auto", "avx512", "amx"],
-        help="LLM_INT4_KERNEL: int4 on vdpbf16ps or AMX tiles (auto: the one timed faster)",
+        choices=["auto", "avx512", "vnni", "amx"],
+        help="LLM_INT4_KERNEL: int4 on vdpbf16ps, int8 x on vpdpbusd or AMX tiles (auto: the "
+        "one timed fastest)",
     )
     parser.add_argument(
         "--attention-kernel",

@@ -100,11 +100,11 @@ class Settings(BaseSettings):
         description="matmul kernel: auto (timed per batch bucket at start), plain, prepacked, "
         "float32, native",
     )
-    int4_kernel: Literal["auto", "avx512", "amx"] = Field(
+    int4_kernel: Literal["auto", "avx512", "vnni", "amx"] = Field(
         "auto",
-        description="int4 matmuls on a CPU with AMX: auto (the kernel timed faster over 1-256 "
-        "rows at install or first start), avx512 (fastest at one sequence), amx (tiles: fastest "
-        "from 4 sequences and in prefill)",
+        description="int4 matmuls on bf16 activations: auto (the kernel timed fastest over 1-256 "
+        "rows at install or first start), avx512 (vdpbf16ps on bf16 x), vnni (x quantized to "
+        "int8 per group of 32, as llama.cpp does: AVX512-VNNI), amx (tiles, on a CPU with AMX)",
     )
     attention_kernel: Literal["auto", "avx512", "amx"] = Field(
         "auto",

@@ -83,7 +83,7 @@ def test_quantized_matmul_is_batch_invariant(mode):
     if mode == "int4":
         require_native(bf16=True)  # its float32 twin: test_int4_layouts_are_batch_invariant
         kernel = Int4Kernel(quantize_int4(weight), _rand(960, seed=10))
-        assert kernel.name in ("int4-native", "int4-amx")  # whichever this CPU ran faster
+        assert kernel.name in ("int4-native", "int4-vnni", "int4-amx")  # the fastest here
     else:
         kernel = Int8Kernel(quantize_int8(weight), None)
     assert kernel.batch_invariant
@@ -110,8 +110,8 @@ def _int4_packed(layout: str, seed: int, q8: bool = False) -> torch.Tensor:
 @pytest.mark.parametrize("layout", ["float16", "float32"])
 def test_int4_layouts_are_batch_invariant(layout):
     """Both packed layouts of `gemm_int4` (bf16 x; `vdpbf16ps`, and AMX tiles where the CPU
-    has them) and `gemm_int4_f32` (AVX2; float32 x quantized per group of 32: exact integer
-    sums)."""
+    has them), `gemm_int4_q8` (bf16 x quantized per group of 32, VNNI) and `gemm_int4_f32`
+    (AVX2; float32 x quantized the same way: exact integer sums)."""
     from worker.layers import native
 
     packed_q8 = _int4_packed(layout, seed=17, q8=True)
@@ -131,6 +131,12 @@ def test_int4_layouts_are_batch_invariant(layout):
             return torch.ops.ladle_native.gemm_int4(x, packed, 960, bias if amx else None, amx)
 
         assert_rows_invariant(bf16_kernel, _rand(576, seed=21), _rand(256, 576, seed=22))
+    if "vnni" in native.int4_kernels_here():
+
+        def vnni_kernel(x: torch.Tensor) -> torch.Tensor:
+            return torch.ops.ladle_native.gemm_int4_q8(x, packed_q8, 960, bias)
+
+        assert_rows_invariant(vnni_kernel, _rand(576, seed=23), _rand(256, 576, seed=24))
 
 
 def test_grouped_int8_matmul_is_batch_invariant():

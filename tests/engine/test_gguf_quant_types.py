@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from tests.support.engines import cpu_only
+from tests.support.q8 import q8_rounded
 from tests.support.tiny_gguf import float32_model, preconvert, write_gguf
 from tests.support.tiny_models import tiny_model_dir
 from worker.layers import native, quant
 from worker.layers.linear import Linear
-from worker.layers.quant import Int4Kernel
+from worker.layers.quant import INT4_NAMES, Int4Kernel
 from worker.models import gguf_quant
 from worker.models.gguf_convert import gguf_entries, gguf_tensors
 from worker.models.gguf_quant import quantized_linear
@@ -132,14 +133,15 @@ def test_int4_kernel_on_q4_k_is_the_dequantized_matmul(typed_gguf) -> None:
     weight = quantized_linear(piece, "int4")
     native.configure(True)  # an engine built earlier in this process may have turned them off
     kernel = Int4Kernel(weight, None)
-    assert kernel.name in ("int4-native", "int4-amx") and kernel.native_packed is not None
+    assert kernel.name in ("int4-native", "int4-vnni", "int4-amx")  # the fastest here
+    assert kernel.native_packed is not None
     scales, mins = _unpacked_meta(kernel.native_packed, ROWS)
     assert torch.equal(scales, weight.scales) and torch.equal(mins, weight.mins)  # held exactly
     reference = torch.from_numpy(_reference("Q4_K", raw["Q4_K"]))
     for rows in (1, 5, 16):
         x = torch.randn(rows, COLS, generator=torch.Generator().manual_seed(rows))
         x = x.to(torch.bfloat16)
-        expected = x.float() @ reference.T
+        expected = (q8_rounded(x) if kernel.native_kernel == "vnni" else x.float()) @ reference.T
         # the kernel's bf16 output and float32 sums, at the outputs' scale
         atol = 2**-7 * float(expected.abs().max())
         torch.testing.assert_close(kernel(x).float(), expected, rtol=2**-7, atol=atol)
@@ -194,7 +196,7 @@ def test_auto_on_a_cpu_without_bf16_serves_the_file_on_float32(tmp_path, monkeyp
         return
     assert loaded.quantization == "auto (int4 x 2, int8 x 4)"
     o_proj = loaded.model.model.layers[0].self_attn.o_proj.quantized
-    bf16_name = "int4-amx" if o_proj.amx else "int4-native"  # whichever this CPU ran faster
+    bf16_name = INT4_NAMES[o_proj.native_kernel or "avx512"]  # whichever this CPU ran fastest
     assert o_proj.name == (bf16_name if native.bf16() else "int4-native-q8")
 
 

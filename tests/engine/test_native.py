@@ -23,6 +23,7 @@ from tests.support.engines import (
     require_native,
 )
 from tests.support.engines import make_engine as make_test_engine
+from tests.support.q8 import q8_activations, q8_rounded
 from tests.support.tiny_models import greedy_logits, tiny_model_dir
 from worker.engine.core.sampling_params import SamplingParams
 from worker.layers import native
@@ -100,23 +101,25 @@ def test_float32_gemm_matches_float64_product(out_features, in_features, bias):
 
 
 @bf16_only
-@pytest.mark.parametrize("amx", [False, True])
+@pytest.mark.parametrize("which", ["avx512", "vnni", "amx"])
 @pytest.mark.parametrize("out_features,in_features", [(64, 32), (960, 576), (192, 1536)])
-def test_int4_matches_the_dequantized_weight(out_features, in_features, amx, monkeypatch):
-    from worker.layers.quant import Int4Kernel, quantize_int4
+def test_int4_matches_the_dequantized_weight(out_features, in_features, which, monkeypatch):
+    from worker.layers.quant import INT4_NAMES, Int4Kernel, quantize_int4
 
-    if amx and not native.int4_amx_usable(out_features, in_features):
-        pytest.skip("no AMX int4 kernel on this CPU")
-    monkeypatch.setitem(native._state, "int4_amx", amx)
+    if which not in native.int4_kernels_here():
+        pytest.skip(f"no {which} int4 kernel on this CPU")
+    if which == "amx" and not native.int4_amx_usable(out_features, in_features):
+        pytest.skip("not a shape the AMX int4 kernel takes")
+    monkeypatch.setitem(native._state, "int4_kernel", which)
     weight = quantize_int4(torch.randn(out_features, in_features))
     kernel = Int4Kernel(weight, None)
-    assert kernel.native_packed is not None and kernel.amx == amx
-    assert kernel.name == ("int4-amx" if amx else "int4-native")
+    assert kernel.native_packed is not None and kernel.native_kernel == which
+    assert kernel.name == INT4_NAMES[which] and kernel.amx == (which == "amx")
     # the native kernel holds the float32 scales and mins themselves: w = q s + m
     dequantized = weight.dequantize()
     for rows in (1, 2, 7, 16, 17, 33, 150):
         x = _bf16(rows, in_features, seed=rows)
-        expected = x.float() @ dequantized.T
+        expected = (q8_rounded(x) if which == "vnni" else x.float()) @ dequantized.T
         # one bf16 rounding of the output (and of the sums' order) at the outputs' scale
         atol = 2**-7 * float(expected.abs().max())
         torch.testing.assert_close(kernel(x).float(), expected, rtol=2**-7, atol=atol)
@@ -153,19 +156,24 @@ def test_int4_layouts_give_the_same_bits(out_features, in_features, monkeypatch)
     full = native.pack_int4(weight.values, weight.scales, weight.mins)
     full_q8 = native.pack_int4_q8(weight.values, weight.scales, weight.mins)
     assert half.shape[2] == half_q8.shape[2] == 320 and full.shape[2] == full_q8.shape[2] == 384
+    ops = torch.ops.ladle_native
     for rows in (1, 2, 7, 8, 9, 17):
         x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
         if native.bf16():
             xb = x.to(torch.bfloat16)
             for amx in (False, True) if native.int4_amx_usable(out_features, in_features) else ():
-                got = torch.ops.ladle_native.gemm_int4(xb, half, out_features, None, amx)
-                again = torch.ops.ladle_native.gemm_int4(xb, full, out_features, None, amx)
-                assert torch.equal(got, again)
-            got = torch.ops.ladle_native.gemm_int4(xb, half, out_features, None)
-            assert torch.equal(got, torch.ops.ladle_native.gemm_int4(xb, full, out_features, None))
-        got = torch.ops.ladle_native.gemm_int4_f32(x, half_q8, out_features, None)
-        again = torch.ops.ladle_native.gemm_int4_f32(x, full_q8, out_features, None)
-        assert torch.equal(got, again)
+                got = ops.gemm_int4(xb, half, out_features, None, amx)
+                assert torch.equal(got, ops.gemm_int4(xb, full, out_features, None, amx))
+            got = ops.gemm_int4(xb, half, out_features, None)
+            assert torch.equal(got, ops.gemm_int4(xb, full, out_features, None))
+        if "vnni" in native.int4_kernels_here():
+            got = ops.gemm_int4_q8(xb, half_q8, out_features, None)
+            assert torch.equal(got, ops.gemm_int4_q8(xb, full_q8, out_features, None))
+            # the AVX2 kernel's exact integer sums and float32 steps, on the same bf16 x
+            float32 = ops.gemm_int4_f32(xb.float(), half_q8, out_features, None)
+            assert torch.equal(got, float32.to(torch.bfloat16))
+        got = ops.gemm_int4_f32(x, half_q8, out_features, None)
+        assert torch.equal(got, ops.gemm_int4_f32(x, full_q8, out_features, None))
 
 
 @pytest.fixture
@@ -207,6 +215,8 @@ def test_prefetch_level_is_measured_once_and_changes_no_bits(tmp_path, monkeypat
         outputs.append(ops.gemm_int4_f32(x, packed_q8, 960, None))
         if native.bf16():
             outputs.append(ops.gemm_int4(x.to(torch.bfloat16), packed, 960, None))
+        if "vnni" in native.int4_kernels_here():
+            outputs.append(ops.gemm_int4_q8(x.to(torch.bfloat16), packed_q8, 960, None))
         outputs.append(native.attention_rows(q, k_cache, v_cache, *rows))
         keys = native.pack_keys(k_cache)
         outputs.append(native.attention_rows(q, keys, v_cache, *rows, packed_keys=True))
@@ -214,28 +224,30 @@ def test_prefetch_level_is_measured_once_and_changes_no_bits(tmp_path, monkeypat
     assert all(torch.equal(a, b) for a, b in zip(outputs[:half], outputs[half:], strict=True))
 
 
-def test_int4_kernel_is_measured_once_where_the_cpu_has_amx(tmp_path, monkeypatch):
-    """Where AMX applies, both int4 kernels are timed on first load and the choice is kept
-    beside the library; elsewhere nothing is timed and layers keep the `vdpbf16ps` one."""
+def test_int4_kernel_is_measured_once_where_the_cpu_has_several(tmp_path, monkeypatch):
+    """Where the CPU has more than one bf16 int4 kernel (vdpbf16ps, VNNI, AMX) each is timed
+    on first load and the choice kept beside the library; elsewhere nothing is timed and
+    layers keep the `vdpbf16ps` one."""
     library = tmp_path / "ladle_native-test.so"
     record = tmp_path / "ladle_native-test.int4.json"
-    if not (native.bf16() and native.int4_amx_usable(3072, 576)):
+    here = native.int4_kernels_here()
+    if len(here) < 2:
         monkeypatch.setattr(native, "measure_int4_kernels", lambda: pytest.fail("measured"))
-        assert native.choose_int4_amx(library) is False and not record.exists()
-        assert not native.int4_amx(960, 576)
+        assert native.choose_int4_kernel(library) == "avx512" and not record.exists()
         return
     monkeypatch.setattr(native, "INT4_PROBE_ROWS", (1, 16))
-    chosen = native.choose_int4_amx(library)
+    chosen = native.choose_int4_kernel(library)
     kept = json.loads(record.read_text())
-    assert kept["kernel"] == ("amx" if chosen else "avx512")
-    assert set(kept["seconds"]) == {"avx512", "amx"}
-    record.write_text('{"kernel": "avx512"}')  # a kept choice is used as it is
+    assert kept["kernel"] == chosen and set(kept["seconds"]) == set(here)
+    assert set(kept["seconds"][chosen]) == {"1", "16"}
     monkeypatch.setattr(native, "measure_int4_kernels", lambda: pytest.fail("measured"))
-    assert native.choose_int4_amx(library) is False
-    record.write_text('{"kernel": "amx"}')
-    assert native.choose_int4_amx(library) is True
-    monkeypatch.setitem(native._state, "int4_amx", True)
-    assert native.int4_amx(960, 576) and not native.int4_amx(208, 576)  # 64 outputs a set
+    for kernel in here:  # a kept choice is used as it is
+        record.write_text(json.dumps({"kernel": kernel}))
+        assert native.choose_int4_kernel(library) == kernel
+    monkeypatch.setitem(native._state, "int4_kernel", "amx")
+    if "amx" in here:
+        assert native.int4_kernel(960, 576) == "amx"
+    assert native.int4_kernel(208, 576) == "avx512"  # the tiles take 64 outputs a set
 
 
 def test_attention_kernel_is_measured_once_where_the_cpu_has_amx(tmp_path, monkeypatch):
@@ -270,17 +282,18 @@ def test_attention_kernel_is_measured_once_where_the_cpu_has_amx(tmp_path, monke
 def test_llm_int4_kernel_names_the_kernel_and_auto_brings_the_measured_one_back(monkeypatch):
     from worker.layers.quant import Int4Kernel, quantize_int4
 
-    monkeypatch.setitem(native._state, "int4_amx", native._state.get("int4_amx"))  # put back
-    monkeypatch.setitem(native._state, "int4_amx_measured", True)
+    monkeypatch.setitem(native._state, "int4_kernel", native._state.get("int4_kernel"))
+    monkeypatch.setitem(native._state, "int4_kernel_measured", "vnni")
     weight = quantize_int4(torch.randn(960, 576))
-    usable = native.int4_amx_usable(960, 576)
-    native.select_int4_kernel("avx512")
-    assert not Int4Kernel(weight, None).amx
-    native.select_int4_kernel("amx")
-    assert Int4Kernel(weight, None).amx == usable  # never where the CPU has no AMX kernel
-    monkeypatch.setitem(native._state, "int4_amx_measured", False)
+    here = native.int4_kernels_here()
+    for name in ("avx512", "vnni", "amx"):
+        native.select_int4_kernel(name)
+        kernel = Int4Kernel(weight, None)
+        expected = name if name in here else "avx512"  # never a kernel the CPU lacks
+        assert kernel.native_kernel == (expected if native.bf16() else "")
+        assert kernel.amx == (expected == "amx" and native.bf16())
     native.select_int4_kernel("auto")
-    assert not Int4Kernel(weight, None).amx
+    assert native.int4_kernel(960, 576) == "vnni"
 
 
 @bf16_only
@@ -299,15 +312,6 @@ def _require_int8() -> None:
         pytest.skip("the int8 kernel needs AVX512-VNNI")
 
 
-def _q8_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x quantized per row and group of 32 as the int8 kernel does: d = max |x| / 127."""
-    groups = x.float().reshape(x.shape[0], -1, 32)
-    d = groups.abs().amax(dim=2) / 127
-    inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
-    q = torch.round(groups * inverse[..., None]).clamp(-127, 127)
-    return q, d
-
-
 @bf16_only
 @pytest.mark.parametrize("out_features,in_features", [(64, 32), (4096, 576), (208, 1536)])
 def test_grouped_int8_computes_the_q8_dot_products(out_features, in_features):
@@ -324,7 +328,7 @@ def test_grouped_int8_computes_the_q8_dot_products(out_features, in_features):
     w_groups = quantized.values.double().reshape(out_features, -1, 32)
     for rows in (1, 2, 5, 8, 9, 16, 17):
         x = _bf16(rows, in_features, seed=rows)
-        q, d = _q8_activations(x)
+        q, d = q8_activations(x)
         # exact integer sums per group, scaled by both scales: the kernel's arithmetic
         sums = torch.einsum("mgk,ngk->mng", q.double(), w_groups)
         scales = d.double()[:, None, :] * quantized.scales.double()[None]
@@ -351,7 +355,7 @@ def test_int4_on_float32_computes_the_q8_dot_products(out_features, in_features)
     for rows in (1, 2, 7, 8, 9, 17):
         x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
         got = torch.ops.ladle_native.gemm_int4_f32(x, packed, out_features, bias).double()
-        p, d = _q8_activations(x)
+        p, d = q8_activations(x)
         products = torch.einsum("mgk,ngk->mng", p.double(), q_w)  # P per row, output, group
         d = d.double()[:, None, :]
         expected = (weight.scales.double()[None] * d * products).sum(2)
@@ -433,7 +437,7 @@ def test_grouped_int8_on_float32_computes_the_q8_dot_products(out_features, in_f
         x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
         x[0, :32] = 4.0  # p = 127 across the first group
         got = torch.ops.ladle_native.gemm_int8_f32(x, packed, out_features, bias).double()
-        p, d = _q8_activations(x)
+        p, d = q8_activations(x)
         sums = torch.einsum("mgk,ngk->mng", p.double(), w_groups)
         scales = d.double()[:, None, :] * quantized.scales.double()[None]
         expected = (sums * scales).sum(dim=2) + bias.double()
@@ -442,10 +446,10 @@ def test_grouped_int8_on_float32_computes_the_q8_dot_products(out_features, in_f
 
 
 def test_int4_kernel_takes_float32_where_bf16_kernels_are_missing():
-    from worker.layers.quant import Int4Kernel, quantize_int4
+    from worker.layers.quant import INT4_NAMES, Int4Kernel, quantize_int4
 
     kernel = Int4Kernel(quantize_int4(torch.randn(64, 64)), torch.randn(64))
-    bf16_name = "int4-amx" if native.int4_amx(64, 64) else "int4-native"
+    bf16_name = INT4_NAMES[native.int4_kernel(64, 64)]  # whichever this CPU ran fastest
     assert kernel.name == (bf16_name if native.bf16() else "int4-native-q8")
     assert kernel.native_packed is not None
     x = torch.randn(3, 64)
@@ -468,9 +472,11 @@ def test_grouped_int8_propagates_nan_and_zero_rows():
 
 
 @bf16_only
-def test_int4_without_native_uses_torch_kernel():
+def test_int4_without_native_uses_torch_kernel(monkeypatch):
     from worker.layers.quant import Int4Kernel, quantize_int4
 
+    # against the native kernel on bf16 x as it is (VNNI's int8 x would add its own error)
+    monkeypatch.setitem(native._state, "int4_kernel", "avx512")
     weight = quantize_int4(torch.randn(64, 64))
     native.configure(False)
     try:

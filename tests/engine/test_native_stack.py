@@ -53,6 +53,7 @@ def _run(model_dir: Path, enabled: bool, monkeypatch, **settings: object) -> tup
         ("llama", {"num_threads": 2}),
         ("llama", {"num_threads": 1, "quantization": "int4", "int4_kernel": "avx512"}),
         ("llama", {"num_threads": 2, "quantization": "int4", "int4_kernel": "amx"}),
+        ("llama", {"num_threads": 2, "quantization": "int4", "int4_kernel": "vnni"}),
         ("qwen2", {"num_threads": 2}),  # a bias on qkv
         ("llama", {"num_threads": 2, "kv_cache_dtype": "float16"}),  # float32 models only
     ],
@@ -66,7 +67,9 @@ def test_stack_gives_the_loops_answers(family, settings, dtype, tmp_path, monkey
     settings = {**settings, "dtype": dtype}
     if settings.get("int4_kernel") == "amx" and not native.int4_amx_usable(64, 128):
         pytest.skip("no AMX int4 kernel on this CPU")
-    monkeypatch.setitem(native._state, "int4_amx", native._state.get("int4_amx"))  # put back
+    if settings.get("int4_kernel") == "vnni" and "vnni" not in native.int4_kernels_here():
+        pytest.skip("no VNNI int4 kernel on this CPU")
+    monkeypatch.setitem(native._state, "int4_kernel", native._state.get("int4_kernel"))
     path = tiny_model_dir(family, tmp_path, hidden_size=128, intermediate_size=256)
     add_tiny_tokenizer(path)
     looped, none, _ = _run(path, False, monkeypatch, **settings)
@@ -77,7 +80,7 @@ def test_stack_gives_the_loops_answers(family, settings, dtype, tmp_path, monkey
     half = dtype == "float32" and ("kv_cache_dtype" in settings or "quantization" in settings)
     assert kv_dtype == ("float16" if half else dtype)
     if "int4_kernel" in settings and dtype == "bfloat16":  # the kernel LLM_INT4_KERNEL named
-        assert native.int4_amx(64, 128) == (settings["int4_kernel"] == "amx")
+        assert native.int4_kernel(64, 128) == settings["int4_kernel"]
 
 
 def test_a_model_that_does_not_qualify_keeps_the_loop(tmp_path, monkeypatch) -> None:

@@ -216,6 +216,10 @@ class Int8Kernel(WeightOnlyKernel):
         return torch.ops.aten._weight_int8pack_mm(x, self.values, self.scales)
 
 
+# The bf16-activation native int4 kernels' names, as `GET /v1/workers` shows them.
+INT4_NAMES = {"avx512": "int4-native", "vnni": "int4-vnni", "amx": "int4-amx"}
+
+
 class Int4Kernel(WeightOnlyKernel):
     """Group-wise int4 W: Ladle's native kernel where it loaded (groups of 32, float32 scales
     and mins, exactly the `QuantizedTensor`'s), else `aten._weight_int4pack_mm_for_cpu` (bf16
@@ -224,14 +228,16 @@ class Int4Kernel(WeightOnlyKernel):
     group of 32, as llama.cpp does there).
 
     The native ones stream nibbles straight into bf16 or integer dot products, one row or
-    many, in one order per row (batch invariant, `worker/layers/native/gemm_int4.cpp`); on a
-    CPU with AMX, where `native.load` timed it faster, the bf16 one sums each group on the
-    tiles instead, for every row count."""
+    many, in one order per row (batch invariant, `worker/layers/native/gemm_int4.cpp`). For
+    bf16 activations `native.load` times the kernels this CPU has once per machine and keeps
+    the fastest for every row count: `vdpbf16ps` on bf16 x ("avx512"), x quantized to int8
+    per group of 32 on `vpdpbusd` ("vnni", as llama.cpp's 4-bit dots), or the AMX tiles."""
 
     name = "int4"
     batch_invariant = True
     native_packed: torch.Tensor | None = None
-    amx = False  # the native kernel's AMX path (measured once per machine: `native.int4_amx`)
+    native_kernel = ""  # for bf16 x: "avx512", "vnni" or "amx" (`native.int4_kernel`)
+    amx = False
 
     def pack(self, weight: QuantizedTensor) -> None:
         assert weight.mins is not None
@@ -241,13 +247,15 @@ class Int4Kernel(WeightOnlyKernel):
         n, k = weight.shape
         bf16 = self.compute_dtype == torch.bfloat16 and native.int4_packable(n, k, self.group_size)
         if bf16 or native.int4_f32_packable(n, k, self.group_size):  # else float32 x on AVX2
-            pack = native.pack_int4 if bf16 else native.pack_int4_q8
+            self.native_kernel = native.int4_kernel(n, k) if bf16 else ""
+            q8 = self.native_kernel in ("", "vnni")
+            pack = native.pack_int4_q8 if q8 else native.pack_int4
             self.native_packed = pack(weight.values, weight.scales, weight.mins)
+            self.amx = self.native_kernel == "amx"
             if not bf16:
                 self.compute_dtype, self.name = torch.float32, "int4-native-q8"
             else:
-                self.amx = native.int4_amx(n, k)
-                self.name = "int4-amx" if self.amx else "int4-native"
+                self.name = INT4_NAMES[self.native_kernel]
             return
         zeros = weight.mins + 8 * weight.scales  # torch's zero: the value at q = 8
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
@@ -260,6 +268,10 @@ class Int4Kernel(WeightOnlyKernel):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.native_packed is not None and self.compute_dtype == torch.float32:
             return torch.ops.ladle_native.gemm_int4_f32(
+                x, self.native_packed, self.out_features, None
+            )
+        if self.native_packed is not None and self.native_kernel == "vnni":
+            return torch.ops.ladle_native.gemm_int4_q8(
                 x, self.native_packed, self.out_features, None
             )
         if self.native_packed is not None:

@@ -31,6 +31,8 @@ from worker.layers.quant import Int4Kernel
 
 _EMPTY = torch.empty(0)
 KIND_BF16, KIND_BF16_AMX, KIND_INT4, KIND_F32, KIND_INT4_F32, KIND_INT4_AMX = 0, 1, 2, 3, 4, 5
+KIND_INT4_VNNI = 6
+_INT4_KINDS = {"avx512": KIND_INT4, "amx": KIND_INT4_AMX, "vnni": KIND_INT4_VNNI}
 
 
 class NativeStack:
@@ -184,6 +186,6 @@ def _linear_part(
         and kernel.compute_dtype == dtype
     ):
         bias = kernel.bias if kernel.bias is not None else _EMPTY
-        kind = KIND_INT4_F32 if f32 else KIND_INT4_AMX if kernel.amx else KIND_INT4
+        kind = KIND_INT4_F32 if f32 else _INT4_KINDS[kernel.native_kernel]
         return kernel.native_packed, bias, kind
     return None

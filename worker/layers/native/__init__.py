@@ -188,7 +188,7 @@ def load(cache_dir: str | None = None) -> bool:
             logger.info("native kernels %s %s (%.1f s)", how, path, time.perf_counter() - started)
             if loaded:
                 choose_prefetch_level(path)
-                _state["int4_amx"] = _state["int4_amx_measured"] = choose_int4_amx(path)
+                _state["int4_kernel"] = _state["int4_kernel_measured"] = choose_int4_kernel(path)
                 tiles = choose_attention_tiles(path)
                 _state["attention_tiles"] = _state["attention_tiles_measured"] = tiles
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
@@ -270,27 +270,40 @@ def choose_prefetch_level(library: Path) -> int:
 INT4_PROBE_ROWS = (1, 4, 16, 64, 256)
 
 
+def int4_kernels_here() -> tuple[str, ...]:
+    """The int4 kernels for bf16 activations this CPU has: "avx512" (`vdpbf16ps` on bf16 x),
+    "vnni" (x quantized to int8 per group of 32, `vpdpbusd`), "amx" (tile sums)."""
+    if not _state.get("bf16"):  # (set before `load` has finished)
+        return ()
+    ops = torch.ops.ladle_native
+    return (
+        ("avx512",)
+        + (("vnni",) if ops.int4_q8_available() else ())
+        + (("amx",) if ops.int4_amx_usable(3072, 576) else ())
+    )
+
+
 def measure_int4_kernels(rounds: int = 5) -> dict[str, dict[int, float]]:
-    """Median seconds per row count of the int4 kernels ("avx512": `vdpbf16ps`, "amx": tile
-    sums) over a default-model layer's weights (gate_up and down, 8 copies each, the
-    kernels alternating), for `choose_int4_amx`."""
+    """Median seconds per row count of the int4 kernels this CPU has (`int4_kernels_here`)
+    over a default-model layer's weights (gate_up and down, 8 copies each, the kernels
+    alternating), for `choose_int4_kernel`."""
     ops = torch.ops.ladle_native
     layers = []
     for n, k in ((3072, 576), (576, 1536)):
-        cell = (n // 16) * (k // 32) * 320
+        cell = (n // 16) * (k // 32) * 320  # the size of both layouts (float16 scales)
         layers += [(n, k, torch.zeros(cell, dtype=torch.uint8)) for _ in range(8)]
     xs = {rows: torch.randn(rows, 1536).to(torch.bfloat16) for rows in INT4_PROBE_ROWS}
 
-    def run(rows: int, amx: bool) -> None:
+    def run(rows: int, kernel: str) -> None:
         for n, k, packed in layers:
-            ops.gemm_int4(xs[rows][:, :k], packed, n, None, amx)
+            if kernel == "vnni":
+                ops.gemm_int4_q8(xs[rows][:, :k], packed, n, None)
+            else:
+                ops.gemm_int4(xs[rows][:, :k], packed, n, None, kernel == "amx")
 
     return _alternating_medians(
         {
-            rows: {
-                "avx512": functools.partial(run, rows, False),
-                "amx": functools.partial(run, rows, True),
-            }
+            rows: {kernel: functools.partial(run, rows, kernel) for kernel in int4_kernels_here()}
             for rows in INT4_PROBE_ROWS
         },
         rounds,
@@ -318,24 +331,31 @@ def _alternating_medians(
     }
 
 
-def choose_int4_amx(library: Path) -> bool:
-    """Whether bf16 int4 layers run on the AMX tiles here (one kernel for every row count: the
-    two sum in different orders). Where the CPU has them, both kernels are timed once per
-    machine at `INT4_PROBE_ROWS` and the one whose times, each relative to that row count's
-    faster, add up least is kept beside the library, as the kernel plan picks."""
-    ops = torch.ops.ladle_native
-    if not ops.available() or not ops.int4_amx_usable(3072, 576):
-        return False
-    return _kept_or_timed(library, "int4", measure_int4_kernels) == "amx"
+def choose_int4_kernel(library: Path) -> str:
+    """The kernel bf16 int4 layers run on here (one kernel for every row count: they sum in
+    different orders). Where the CPU has more than one (`int4_kernels_here`), each is timed
+    once per machine at `INT4_PROBE_ROWS` and the one whose times, each relative to that row
+    count's fastest, add up least is kept beside the library, as the kernel plan picks."""
+    kernels = int4_kernels_here()
+    if len(kernels) < 2:
+        return "avx512"
+    return _kept_or_timed(library, "int4", measure_int4_kernels, kernels)
 
 
-def _kept_or_timed(library: Path, what: str, measure: Callable[[], dict]) -> str:
-    """The kernel ("avx512" or "amx") kept for `what` beside `library`; else both timed
+def _kept_or_timed(
+    library: Path,
+    what: str,
+    measure: Callable[[], dict],
+    kernels: tuple[str, ...] = ("avx512", "amx"),
+) -> str:
+    """The kernel (one of `kernels`) kept for `what` beside `library`; else each timed
     (`measure`: seconds per kernel and probe) and the one of the least `_relative_costs`
     kept there ("avx512" where timing fails: never worth losing the kernels over)."""
     record = library.with_name(f"{library.stem}.{what}.json")
     try:
-        return str(json.loads(record.read_text())["kernel"])
+        kept = str(json.loads(record.read_text())["kernel"])
+        if kept in kernels:
+            return kept
     except (OSError, ValueError, KeyError, TypeError):
         pass
     started = time.perf_counter()
@@ -347,12 +367,11 @@ def _kept_or_timed(library: Path, what: str, measure: Callable[[], dict]) -> str
     cost = _relative_costs(seconds)
     kernel = min(sorted(cost), key=cost.__getitem__)
     logger.info(
-        "%s on %s: relative time summed over %s %.2f (AVX-512) and %.2f (AMX) (%.2f s)",
+        "%s on %s: relative time summed over %s: %s (%.2f s)",
         what,
         kernel,
-        "/".join(map(str, seconds["avx512"])),
-        cost["avx512"],
-        cost["amx"],
+        "/".join(map(str, seconds[kernel])),
+        ", ".join(f"{name} {cost[name]:.2f}" for name in sorted(cost)),
         time.perf_counter() - started,
     )
     try:
@@ -364,9 +383,16 @@ def _kept_or_timed(library: Path, what: str, measure: Callable[[], dict]) -> str
 
 def select_int4_kernel(name: str) -> None:
     """The int4 kernel of the models loaded from now on (`LLM_INT4_KERNEL`): "auto" (the one
-    `choose_int4_amx` kept), "avx512" or "amx" (still only where `int4_amx_usable`). Set
-    before a model loads, never while it serves: a row must sum the same way all along."""
-    _select("LLM_INT4_KERNEL", name, "int4_amx", int4_amx_usable(3072, 576))
+    `choose_int4_kernel` kept), "avx512", "vnni" or "amx" (where this CPU has it, else a
+    warning and avx512). Set before a model loads, never while it serves: a row must sum
+    the same way all along."""
+    if name == "auto":
+        _state["int4_kernel"] = _state.get("int4_kernel_measured", "avx512")
+        return
+    if name not in int4_kernels_here():
+        logger.warning("LLM_INT4_KERNEL=%s: this CPU has no such int4 kernel; avx512 it is", name)
+        name = "avx512"
+    _state["int4_kernel"] = name
 
 
 def _select(setting: str, name: str, key: str, usable: bool) -> None:
@@ -384,10 +410,13 @@ def int4_amx_usable(out_features: int, in_features: int) -> bool:
     return bf16() and bool(torch.ops.ladle_native.int4_amx_usable(out_features, in_features))
 
 
-def int4_amx(out_features: int, in_features: int) -> bool:
-    """Whether a bf16 int4 weight of this shape runs on the AMX tiles here: where it can and
-    `choose_int4_amx` kept AMX."""
-    return bool(_state.get("int4_amx")) and int4_amx_usable(out_features, in_features)
+def int4_kernel(out_features: int, in_features: int) -> str:
+    """The kernel a bf16 int4 weight of this shape runs on here: the one `choose_int4_kernel`
+    kept (or `LLM_INT4_KERNEL` named), except "amx" for a shape the tiles do not take."""
+    kernel = str(_state.get("int4_kernel", "avx512"))
+    if kernel == "amx" and not int4_amx_usable(out_features, in_features):
+        return "avx512"
+    return kernel
 
 
 def prebuild(into: Path) -> Path | None:
@@ -637,14 +666,15 @@ def pack_int4(values: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) ->
 
 
 def pack_int4_q8(values: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
-    """The same weight in the layout `ladle_native.gemm_int4_f32` (float32 x, AVX2) streams:
-    as `pack_int4`, but per block and group two columns of 8 rows, each 4 chunks of 32 bytes;
-    chunk c's byte 4j + e holds row j's input 8c + e (low nibble) and 8c + 4 + e (high), so
-    that one `vpmaddubsw` multiplies 8 rows' 4 inputs by a quad of x broadcast from memory."""
+    """The same weight in the layout the int8-x kernels stream (`ladle_native.gemm_int4_f32`:
+    float32 x, AVX2; `gemm_int4_q8`: bf16 x, AVX-512 VNNI): as `pack_int4`, but per block and
+    group 4 chunks of 64 bytes; chunk c's byte 4j + e holds row j's input 8c + e (low nibble)
+    and 8c + 4 + e (high), so that one `vpdpbusd` multiplies 16 rows' 4 inputs by a quad of
+    x broadcast from memory (AVX2's `vpmaddubsw` takes a chunk's two halves of 8 rows)."""
     n, k = values.shape
     blocks, groups = n // 16, k // 32
-    # (block, column, row, group, chunk, nibble, e) -> (block, group, column, chunk, row, e, nibble)
-    q = values.to(torch.uint8).reshape(blocks, 2, 8, groups, 4, 2, 4).permute(0, 3, 1, 4, 2, 6, 5)
+    # (block, row, group, chunk, nibble, e) -> (block, group, chunk, row, e, nibble)
+    q = values.to(torch.uint8).reshape(blocks, 16, groups, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
     nibbles = (q[..., 0] | (q[..., 1] << 4)).reshape(blocks, groups, 256)
     return torch.cat([nibbles, _int4_meta(scales, mins)], dim=2).contiguous()
 

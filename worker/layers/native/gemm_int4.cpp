@@ -376,8 +376,9 @@ inline __m256i pinned(__m256i v) {
   return v;
 }
 
-// One column (8 outputs: half h of a 16-output block) of a group, for M rows: each row's
-// exact P = sum_k q_k p_k as int32 lanes. Chunk c holds, per output j, inputs 8c..8c+3 in its
+// One column (8 outputs: half h of a 16-output block, half h of each 64-byte chunk) of a
+// group, for M rows: each row's exact P = sum_k q_k p_k as int32 lanes. Chunk c holds, per
+// output j, inputs 8c..8c+3 in its
 // low nibbles and 8c+4..8c+7 in its high ones (4 bytes a lane), so a row's quad of p is one
 // dword broadcast (a load) and `vpmaddubsw` sums output j's pairs into lanes 2j, 2j+1; four
 // chunks add in int16 (at most 8 * 2 * 15 * 127 < 2^15), and `vpmaddwd` by ones adds each
@@ -386,7 +387,7 @@ template <int M>
 inline void column_sums(const uint8_t* column, const int8_t* const (&p)[M], __m256i (&sums)[M]) {
   const __m256i mask = _mm256_set1_epi8(0x0F);
   for (int c = 0; c < 4; ++c) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(column + 32 * c));
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(column + 64 * c));
     const __m256i lo = _mm256_and_si256(v, mask);
     const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
     for (int m = 0; m < M; ++m) {
@@ -436,7 +437,7 @@ struct Int4Q8 {
         for (int h = 0; h < H; ++h) {
           const uint8_t* group = first_block + n * block_bytes + g * GB;
           __m256i sums[M];
-          column_sums<M>(group + 128 * (h0 + h), p, sums);
+          column_sums<M>(group + 32 * (h0 + h), p, sums);
           const __m256 scale = column_meta<GB>(group, 0, h0 + h);
           const __m256 min = column_meta<GB>(group, 1, h0 + h);
           for (int m = 0; m < M; ++m) {
@@ -472,6 +473,91 @@ struct Int4Q8 {
 
 #endif  // __AVX2__ && __FMA__
 
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+
+// The same sums as Int4Q8 on AVX-512 VNNI, for bf16 x (quantized as float32 x is: widening a
+// bf16 is exact) and bf16 y: chunk c of a group is one zmm whose lane j holds output j's
+// inputs 8c..8c+3 (low nibbles) and 8c+4..8c+7 (high), so a `vpdpbusd` (unsigned nibbles,
+// signed p) adds 64 exact products into the 16 outputs' int32 sums, against `vdpbf16ps`'s
+// 32 products after 4 instructions that widen the nibbles to bf16. Per output, as Int4Q8:
+// out = fma(s, d P, out), out = fma(m, d S, out), for groups in order; then + bias.
+template <int64_t GB>
+struct Int4Vnni {
+  static constexpr int64_t kPass = kMaxM;
+
+  template <int M, int NB>
+  static void run(const Q8Rows& xq, int64_t m0, const uint8_t* first_block, int64_t groups,
+                  const float* bias, uint16_t* y, int64_t ldy, const uint8_t* next_set = nullptr) {
+    const int64_t block_bytes = groups * GB;
+    const __m512i mask = _mm512_set1_epi8(0x0F);
+    __m512 out[M][NB];
+    for (int m = 0; m < M; ++m)
+      for (int n = 0; n < NB; ++n) out[m][n] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      if (M == 1) prefetch_groups<NB>(first_block, next_set, g, groups, block_bytes, GB);
+      const int8_t* p[M];
+      for (int m = 0; m < M; ++m) p[m] = xq.p.data() + ((m0 + m) * groups + g) * kGroup;
+      __m512i acc[M][NB];
+      for (int m = 0; m < M; ++m)
+        for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_setzero_si512();
+      for (int c = 0; c < 4; ++c) {
+        __m512i lo[NB], hi[NB];
+        for (int n = 0; n < NB; ++n) {
+          const __m512i v = _mm512_loadu_si512(first_block + n * block_bytes + g * GB + 64 * c);
+          lo[n] = _mm512_and_si512(v, mask);
+          hi[n] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+        }
+        for (int m = 0; m < M; ++m) {
+          const __m512i a = _mm512_set1_epi32(p_at<int32_t>(p[m] + 8 * c));
+          const __m512i b = _mm512_set1_epi32(p_at<int32_t>(p[m] + 8 * c + 4));
+          for (int n = 0; n < NB; ++n)
+            acc[m][n] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[m][n], lo[n], a), hi[n], b);
+        }
+      }
+      for (int n = 0; n < NB; ++n) {
+        const uint8_t* group = first_block + n * block_bytes + g * GB;
+        const __m512 scale = group_meta<GB>(group, 0), min = group_meta<GB>(group, 1);
+        for (int m = 0; m < M; ++m) {
+          const int64_t i = (m0 + m) * groups + g;
+          const __m512 dp = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[m][n]), _mm512_set1_ps(xq.d[i]));
+          out[m][n] = _mm512_fmadd_ps(scale, dp, out[m][n]);
+          out[m][n] = _mm512_fmadd_ps(min, _mm512_set1_ps(xq.ds[i]), out[m][n]);
+        }
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      for (int n = 0; n < NB; ++n)
+        store_bf16(y + m * ldy + n * kRows, with_bias(out[m][n], bias ? bias + n * kRows : nullptr));
+  }
+};
+
+#endif  // __AVX512BF16__ && __AVX512VNNI__
+
+at::Tensor gemm_int4_q8(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                        const c10::optional<at::Tensor>& bias) {
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+  const int64_t K = x.dim() > 0 ? x.size(-1) : 0;
+  return with_group_bytes(packed, out_features, K, [&](auto bytes) {
+    constexpr int64_t GB = decltype(bytes)::value;
+    return grouped_gemm("int4_q8", x, packed, out_features, bias, kGroup, GB,
+                        [](const uint16_t* xp, const uint8_t* pp, const float* bp, uint16_t* yp,
+                           int64_t M, int64_t N, int64_t K) {
+                          q8_gemm<Int4Vnni<GB>>(xp, pp, bp, yp, M, N, K, GB);
+                        });
+  });
+#else
+  TORCH_CHECK(false, "ladle_native.gemm_int4_q8: built without AVX512-BF16 and AVX512-VNNI");
+#endif
+}
+
+bool int4_q8_available() {
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+  return true;
+#else
+  return false;
+#endif
+}
+
 at::Tensor gemm_int4_f32(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                          const c10::optional<at::Tensor>& bias) {
 #if defined(__AVX2__) && defined(__FMA__) && defined(LADLE_V16)
@@ -490,9 +576,12 @@ TORCH_LIBRARY_FRAGMENT(ladle_native, m) {
   m.def("gemm_int4(Tensor x, Tensor packed, int out_features, Tensor? bias, bool amx=False) -> Tensor");
   m.def("int4_amx_usable(int n, int k) -> bool", &int4_amx_usable);
   m.def("gemm_int4_f32(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
+  m.def("gemm_int4_q8(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
+  m.def("int4_q8_available() -> bool", &int4_q8_available);
 }
 
 TORCH_LIBRARY_IMPL(ladle_native, CPU, m) {
   m.impl("gemm_int4", &gemm_int4);
   m.impl("gemm_int4_f32", &gemm_int4_f32);
+  m.impl("gemm_int4_q8", &gemm_int4_q8);
 }

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "gemm.h"
@@ -72,13 +73,27 @@ inline void quantize_group(const float* v, int8_t* p, float& d, float& ds) {
 // (many rows: a prefill chunk's x); fewer are quantized on the calling thread.
 constexpr int64_t kQuantizeGrain = 2048;
 
-inline Q8Rows quantize_rows(const float* x, int64_t rows, int64_t K) {
+// float32 x, or bf16 x (its bits as uint16_t: widened to float32 exactly, then the same).
+template <class X>
+inline Q8Rows quantize_rows(const X* x, int64_t rows, int64_t K) {
+  static_assert(std::is_same_v<X, float> || std::is_same_v<X, uint16_t>);
   const int64_t n = rows * (K / kQ8Group);
   Q8Rows out{std::vector<int8_t>(static_cast<size_t>(rows * K)),
              std::vector<float>(static_cast<size_t>(n)), std::vector<float>(static_cast<size_t>(n))};
   const auto run = [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i)
-      quantize_group(x + i * kQ8Group, out.p.data() + i * kQ8Group, out.d[i], out.ds[i]);
+    for (int64_t i = begin; i < end; ++i) {
+      const X* group = x + i * kQ8Group;
+      if constexpr (std::is_same_v<X, float>) {
+        quantize_group(group, out.p.data() + i * kQ8Group, out.d[i], out.ds[i]);
+      } else {
+        alignas(32) float wide[kQ8Group];
+        for (int64_t k = 0; k < kQ8Group; ++k) {
+          const uint32_t bits = static_cast<uint32_t>(group[k]) << 16;
+          std::memcpy(&wide[k], &bits, sizeof(float));
+        }
+        quantize_group(wide, out.p.data() + i * kQ8Group, out.d[i], out.ds[i]);
+      }
+    }
   };
   at::parallel_for(0, n, kQuantizeGrain, run);
   return out;
@@ -102,13 +117,14 @@ inline void q8_store(const V16 (&out)[M][NB], const float* bias, float* y, int64
 }
 #endif
 
-// y[M, N] (float32) = x @ W^T + bias for a weight packed by blocks of 16 outputs and groups
+// y[M, N] (float32, or bf16 bits as the kernel writes them) = x @ W^T + bias, x float32 or bf16
+// bits, for a weight packed by blocks of 16 outputs and groups
 // of 32 inputs (`group_bytes` a block's group): one row streams four blocks at once
 // (`Kernel::template run<1, 4>`), several rows share each block's weights (`run<M, 1>`, up
 // to `Kernel::kPass` rows a pass).
-template <class Kernel>
-void q8_gemm(const float* x, const uint8_t* packed, const float* bias, float* y, int64_t M,
-             int64_t N, int64_t K, int64_t group_bytes) {
+template <class Kernel, class X, class Y>
+void q8_gemm(const X* x, const uint8_t* packed, const float* bias, Y* y, int64_t M, int64_t N,
+             int64_t K, int64_t group_bytes) {
   const int64_t groups = K / kQ8Group, block_bytes = groups * group_bytes;
   const Q8Rows xq = quantize_rows(x, M, K);
   const auto bias_at = [&](int64_t b) { return bias ? bias + b * kRows : nullptr; };

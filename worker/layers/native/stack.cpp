@@ -24,7 +24,9 @@
 namespace {
 
 // kF32 and kInt4F32 serve float32 stacks (gemm_f32, gemm_int4_f32), the others bf16 ones.
-enum LinearKind : int64_t { kBf16 = 0, kBf16Amx = 1, kInt4 = 2, kF32 = 3, kInt4F32 = 4, kInt4Amx = 5 };
+enum LinearKind : int64_t {
+  kBf16 = 0, kBf16Amx = 1, kInt4 = 2, kF32 = 3, kInt4F32 = 4, kInt4Amx = 5, kInt4Vnni = 6
+};
 
 struct Linear {
   at::Tensor packed;
@@ -86,6 +88,7 @@ struct Ops {
   c10::TypedOperatorHandle<Gemm> gemm_f32 = op<Gemm>("ladle_native::gemm_f32");
   c10::TypedOperatorHandle<GemmInt4> gemm_int4 = op<GemmInt4>("ladle_native::gemm_int4");
   c10::TypedOperatorHandle<GemmQuant> gemm_int4_f32 = op<GemmQuant>("ladle_native::gemm_int4_f32");
+  c10::TypedOperatorHandle<GemmQuant> gemm_int4_q8 = op<GemmQuant>("ladle_native::gemm_int4_q8");
   Glue bf16{op<AddNorm>("ladle_native::add_rms_norm_bf16"), op<Unary>("ladle_native::silu_mul_bf16"),
             op<Rotary>("ladle_native::rotary_bf16_")};
   Glue f32{op<AddNorm>("ladle_native::add_rms_norm_f32"), op<Unary>("ladle_native::silu_mul_f32"),
@@ -106,11 +109,13 @@ at::Tensor linear(const Linear& l, const at::Tensor& x) {
   switch (l.kind) {
     case kInt4:
     case kInt4Amx:
-    case kInt4F32: {
-      at::Tensor out = l.kind == kInt4F32
-                           ? o.gemm_int4_f32.call(x, l.packed, l.out_features, c10::nullopt)
-                           : o.gemm_int4.call(x, l.packed, l.out_features, c10::nullopt,
-                                              l.kind == kInt4Amx);
+    case kInt4F32:
+    case kInt4Vnni: {
+      at::Tensor out =
+          l.kind == kInt4F32    ? o.gemm_int4_f32.call(x, l.packed, l.out_features, c10::nullopt)
+          : l.kind == kInt4Vnni ? o.gemm_int4_q8.call(x, l.packed, l.out_features, c10::nullopt)
+                                : o.gemm_int4.call(x, l.packed, l.out_features, c10::nullopt,
+                                                   l.kind == kInt4Amx);
       return l.bias ? out + *l.bias : out;
     }
     case kF32:
@@ -126,7 +131,7 @@ Linear linear_from(const std::vector<at::Tensor>& t, size_t at_index, const int6
   if (t[at_index + 1].numel() > 0) l.bias = t[at_index + 1];
   l.kind = ints[0];
   l.out_features = ints[1];
-  TORCH_CHECK(l.kind >= kBf16 && l.kind <= kInt4Amx, "unknown linear kind");
+  TORCH_CHECK(l.kind >= kBf16 && l.kind <= kInt4Vnni, "unknown linear kind");
   return l;
 }
 
