@@ -17,7 +17,8 @@ GGUF's tensors as the file holds them; run with bf16 embeddings, norms and lm_he
 default dtype on CPUs with native bf16; `int8/float32` keeps those in float32; a `+int8head`
 suffix, e.g. `int4+int8head`, serves the lm_head in int8 as LLM_LM_HEAD_QUANTIZATION=int8;
 `+kv16` keeps the KV cache in float16 and `+kvmodel` in the model's dtype, as
-LLM_KV_CACHE_DTYPE=float16 / model; without either, its default, auto).
+LLM_KV_CACHE_DTYPE=float16 / model; without either, its default, auto; `+avx512`, `+vnni` or
+`+amx` names the int4 kernel as LLM_INT4_KERNEL does, else the one timed fastest here).
 Prompts: the chat template over short varied user questions (real text, not random ids), or
 the questions as plain text for a model without a chat template (a base model).
 """
@@ -72,17 +73,22 @@ def questions(count: int) -> list[str]:
     return items[:count]
 
 
+# Suffixes naming the int4 kernel (LLM_INT4_KERNEL), e.g. `int4+avx512` against `int4+vnni`.
+INT4_KERNELS = ("avx512", "vnni", "amx")
+
+
 def build_llm(model: str, variant: str) -> LLM:
     """The offline engine for `variant`: a dtype, or a quantization over bf16 ("int8") or
     over another dtype for the rest of the model ("int8/float32"); "+int8head" serves the
     lm_head in int8 too (LLM_LM_HEAD_QUANTIZATION=int8); "+kv16" / "+kvmodel" set the KV
-    cache's dtype."""
+    cache's dtype; "+avx512" / "+vnni" / "+amx" the int4 kernel."""
     variant, *suffixes = variant.split("+")
     kv = {"kv16": "float16", "kvmodel": "model"}
-    unknown = set(suffixes) - {"int8head", *kv}
+    unknown = set(suffixes) - {"int8head", *kv, *INT4_KERNELS}
     if unknown:
         raise SystemExit(f"unknown variant suffix: {', '.join(sorted(unknown))}")
     kv_dtype = next((kv[s] for s in suffixes if s in kv), "auto")
+    int4_kernel = next((s for s in suffixes if s in INT4_KERNELS), "auto")
     name, _, rest_dtype = variant.partition("/")
     quantized = name in QUANTIZED
     return LLM(
@@ -95,6 +101,7 @@ def build_llm(model: str, variant: str) -> LLM:
             enable_prefix_caching=False,
             lm_head_quantization="int8" if "int8head" in suffixes else "none",
             kv_cache_dtype=kv_dtype,
+            int4_kernel=int4_kernel,
         )
     )
 
