@@ -18,6 +18,17 @@ def test_int4_stream_times_the_kernel_this_cpu_decodes_with(capsys: pytest.Captu
     assert out.count("in cache:") == len(int4_stream.SHAPES)
 
 
+def test_int4_stream_times_each_kernel_it_is_asked_for(capsys: pytest.CaptureFixture) -> None:
+    kernels = [*native.int4_kernels_here(), "f32"]  # every CPU here has the AVX2 one
+    args = ["--threads", "1", "--layers", "1", "--reps", "1", "--kernel", *kernels]
+    assert int4_stream.main(args) == 0
+    out = capsys.readouterr().out
+    assert [line for line in out.splitlines() if line.startswith("kernel ")] == [
+        f"kernel {name}:" for name in kernels
+    ]
+    assert out.count("in cache:") == len(kernels) * len(int4_stream.SHAPES)
+
+
 def test_attention_rows_compares_with_sdpa_in_the_engines_dtype(
     capsys: pytest.CaptureFixture,
 ) -> None:
