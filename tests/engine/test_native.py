@@ -408,15 +408,23 @@ def test_q8_quantizing_is_the_definition_bit_for_bit(rows, in_features):
         torch.set_num_threads(threads)
 
 
-def test_int4_on_float32_propagates_nan_and_zero_rows():
+@pytest.mark.parametrize("which", ["f32", "vnni"])
+def test_int8_x_int4_kernels_propagate_nan_and_zero_rows(which):
+    """float32 x on AVX2 and bf16 x on VNNI: a zero row gives zeros, a NaN anywhere in a row
+    NaN everywhere in it (its group's d is NaN), as in float math."""
     from worker.layers.quant import quantize_int4
 
+    if which == "vnni" and "vnni" not in native.int4_kernels_here():
+        pytest.skip("no VNNI int4 kernel on this CPU")
     weight = quantize_int4(torch.randn(32, 64))
     packed = native.pack_int4_q8(weight.values, weight.scales, weight.mins)
     x = torch.zeros(3, 64)
     x[1, 5] = float("nan")
     x[2, 40] = 1.0
-    y = torch.ops.ladle_native.gemm_int4_f32(x, packed, 32, None)
+    if which == "vnni":
+        y = torch.ops.ladle_native.gemm_int4_q8(x.to(torch.bfloat16), packed, 32, None).float()
+    else:
+        y = torch.ops.ladle_native.gemm_int4_f32(x, packed, 32, None)
     assert torch.equal(y[0], torch.zeros(32))
     assert bool(y[1].isnan().all())
     assert bool(y[2].isfinite().all()) and float(y[2].abs().max()) > 0
