@@ -237,7 +237,10 @@ class Int4Kernel(WeightOnlyKernel):
     batch_invariant = True
     native_packed: torch.Tensor | None = None
     native_kernel = ""  # for bf16 x: "avx512", "vnni" or "amx" (`native.int4_kernel`)
-    amx = False
+
+    @property
+    def amx(self) -> bool:
+        return self.native_kernel == "amx"
 
     def pack(self, weight: QuantizedTensor) -> None:
         assert weight.mins is not None
@@ -251,7 +254,6 @@ class Int4Kernel(WeightOnlyKernel):
             q8 = self.native_kernel in ("", "vnni")
             pack = native.pack_int4_q8 if q8 else native.pack_int4
             self.native_packed = pack(weight.values, weight.scales, weight.mins)
-            self.amx = self.native_kernel == "amx"
             if not bf16:
                 self.compute_dtype, self.name = torch.float32, "int4-native-q8"
             else:

@@ -278,7 +278,7 @@ def int4_kernels_here() -> tuple[str, ...]:
     ops = torch.ops.ladle_native
     return (
         ("avx512",)
-        + (("vnni",) if ops.int4_q8_available() else ())
+        + (("vnni",) if ops.int8_available() else ())  # the VNNI kernels: int8 and int4
         + (("amx",) if ops.int4_amx_usable(3072, 576) else ())
     )
 

@@ -31,8 +31,9 @@
 //
 // gemm_int4_f32 takes float32 x and gives float32 y, on AVX2 (CPUs without AVX512-BF16 run
 // float32 models; AVX-512 machines have AVX2 too), from the same bytes in another order
-// (`pack_int4_q8`): per block and group two columns of 8 rows, each 4 chunks of 32 bytes whose
-// byte 4j + e holds row j's input 8c + e (low nibble) and 8c + 4 + e (high). It quantizes
+// (`pack_int4_q8`): per block and group 4 chunks of 64 bytes whose byte 4j + e holds row j's
+// input 8c + e (low nibble) and 8c + 4 + e (high), taken as two columns of 8 rows (a
+// chunk's 32-byte halves). It quantizes
 // x per row and group of 32 as llama.cpp does for its 4-bit dots on such CPUs (d = max |x| /
 // 127, p = round(x / d)), so the products are integers: `vpmaddubsw` multiplies 8 rows'
 // nibbles by a quad of p broadcast from memory (int16 sums, exact), a group's four chunks
@@ -42,6 +43,10 @@
 // S = sum_k p_k (exact), sum_k w_k x_k ~ sum_k w_k d p_k = s d P + m d S; it runs
 // out = fma(s, d P, out), out = fma(m, d S, out) for groups in order, then + bias. Integer
 // sums are exact, so a row's result depends on its own values alone (batch invariant).
+//
+// gemm_int4_q8 ("vnni") does the same for bf16 x and y on AVX-512 VNNI, from the same bytes:
+// one `vpdpbusd` takes a whole chunk (16 rows' 4 nibbles by a quad of p), the same exact P
+// and the same float32 steps, so its outputs are gemm_int4_f32's rounded to bf16.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -550,14 +555,6 @@ at::Tensor gemm_int4_q8(const at::Tensor& x, const at::Tensor& packed, int64_t o
 #endif
 }
 
-bool int4_q8_available() {
-#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
-  return true;
-#else
-  return false;
-#endif
-}
-
 at::Tensor gemm_int4_f32(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                          const c10::optional<at::Tensor>& bias) {
 #if defined(__AVX2__) && defined(__FMA__) && defined(LADLE_V16)
@@ -577,7 +574,6 @@ TORCH_LIBRARY_FRAGMENT(ladle_native, m) {
   m.def("int4_amx_usable(int n, int k) -> bool", &int4_amx_usable);
   m.def("gemm_int4_f32(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
   m.def("gemm_int4_q8(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
-  m.def("int4_q8_available() -> bool", &int4_q8_available);
 }
 
 TORCH_LIBRARY_IMPL(ladle_native, CPU, m) {

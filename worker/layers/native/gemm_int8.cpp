@@ -266,6 +266,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_q8(const at::Tensor& x) 
 #endif
 }
 
+// Whether the VNNI kernels are built here: this int8 one and the int4 one on int8 x
+// (gemm_int4_q8), which need the same two extensions.
 bool int8_available() {
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
   return true;

@@ -1,6 +1,6 @@
-// What the float32-activation grouped kernels (gemm_int4_f32, gemm_int8_f32: AVX2) share.
-// x is quantized per row and group of 32 as llama.cpp quantizes activations for its integer
-// dot products on such CPUs: d = max |x| / 127, p = round(x / d), so every product of a
+// What the int8-x grouped kernels (gemm_int4_f32, gemm_int8_f32: AVX2; gemm_int4_q8: bf16 x on
+// AVX-512 VNNI) share. x is quantized per row and group of 32 as llama.cpp quantizes
+// activations for its integer dot products: d = max |x| / 127, p = round(x / d), so every product of a
 // group is an exact integer and a row's result depends on its own values alone.
 #pragma once
 
