@@ -29,12 +29,18 @@ from worker.heartbeat import ARQ_IN_PROGRESS_PREFIX
 from worker.job_writer import REDIS_DOWN_ERRORS
 from worker.service import HandBack, WorkerService
 
-# How often a worker looks at the queue when nothing wakes it: jobs handed back or retried,
-# room freed by finished jobs. A new job wakes idle workers at once (the API publishes on
-# Keys.wake_channel after enqueueing).
+# How often a worker looks at the queue while a job it could not take waits there (no room
+# yet, or held for another worker's cache): room frees and holds end without a wake-up.
 POLL_S = 0.02
-# Batch lines are not woken for: their lane is looked at this often.
+# How often when its last look found nothing to wait for. A new job wakes every worker at
+# once (the API publishes on Keys.wake_channel after enqueueing); this finds what nothing
+# announces: a job handed back or retried, a lost worker's lease run out, a lost wake-up.
+# At POLL_S an idle worker, or one running a single stream, spent 5 % of a core on polls.
+IDLE_POLL_S = 0.25
+# Batch lines are not woken for: their lane is looked at this often, or at BATCH_IDLE_POLL_S
+# when it was empty.
 BATCH_POLL_S = 0.1
+BATCH_IDLE_POLL_S = 1.0
 POLL_BACKOFF = Backoff(first_s=0.5, max_s=5.0)
 
 logger = logging.getLogger("worker")
@@ -98,6 +104,8 @@ class LadleWorker(Worker):
         self.settings = settings
         self.lane = lane
         self.keys = Keys(settings.key_prefix)
+        # Set by a poll that left a job it may take soon: the next poll comes after POLL_S.
+        self.look_again_soon = False
 
     async def main(self) -> None:
         """arq's main, retried while its start-up Redis calls fail.
@@ -113,6 +121,7 @@ class LadleWorker(Worker):
         as well: never cut the list (that starved the worker at worker_max_queued jobs)."""
         for job_id in await self._not_running(job_ids):
             if self.admission_capacity() <= 0:
+                self.look_again_soon = True  # it waits for room here
                 return
             counter = self.job_counter
             try:
@@ -150,26 +159,32 @@ class LadleWorker(Worker):
                 pipe.get(self.keys.routed(job_id.decode()))
             found = await pipe.execute()
         mine = self.service.worker_id.encode()
-        return [
-            job_id
-            for job_id, running, held_for in zip(ids, found[::2], found[1::2], strict=True)
-            if not running and held_for in (None, mine)
-        ]
+        free = []
+        for job_id, running, held_for in zip(ids, found[::2], found[1::2], strict=True):
+            if held_for not in (None, mine):
+                self.look_again_soon = True  # anyone may take it when its hold ends
+            elif not running:
+                free.append(job_id)
+        return free
 
     async def _poll_iteration(self) -> None:
-        """One poll, then a wait of POLL_S cut short by a wake-up (the API enqueued a job).
+        """One poll, then a wait cut short by a wake-up (the API enqueued a job): POLL_S when
+        the poll left a job this worker may take soon, IDLE_POLL_S when it did not.
 
         Private in arq, overridden because arq has no hook for either: its poll loop ends on
         the first Redis error, and its wait between polls is a fixed sleep. Redis errors are
         retried here forever, anything else is logged: nothing may end the poll loop."""
         try:
+            self.look_again_soon = False
             await _until_redis_answers(super()._poll_iteration, "queue poll")
+            # At max_jobs arq reads nothing, and jobs may wait for the room that frees.
+            soon = self.look_again_soon or self.job_counter >= self.max_jobs
             if self.lane != "interactive":
-                await asyncio.sleep(BATCH_POLL_S)
+                await asyncio.sleep(BATCH_POLL_S if soon else BATCH_IDLE_POLL_S)
                 return
             wake = self.service.wake
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(wake.wait(), POLL_S)
+                await asyncio.wait_for(wake.wait(), POLL_S if soon else IDLE_POLL_S)
             wake.clear()
         except Exception:
             logger.exception("queue poll failed")

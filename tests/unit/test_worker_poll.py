@@ -60,6 +60,7 @@ def test_jobs_held_for_another_worker_are_left_to_it_until_the_hold_ends() -> No
 
 def test_a_wake_up_ends_the_wait_between_polls(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(worker.arq_adapter, "POLL_S", 60.0)  # without a wake-up: a minute
+    monkeypatch.setattr(worker.arq_adapter, "IDLE_POLL_S", 60.0)
 
     async def scenario() -> None:
         server = fakeredis.FakeServer()
@@ -74,6 +75,34 @@ def test_a_wake_up_ends_the_wait_between_polls(monkeypatch: pytest.MonkeyPatch) 
         assert not service.wake.is_set()  # cleared for the next wait
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("waiting", ["none", "held", "no room"])
+def test_a_poll_that_leaves_a_job_it_may_take_looks_again_soon(
+    monkeypatch: pytest.MonkeyPatch, waiting: str
+) -> None:
+    """Holds end and room frees without a wake-up: such a poll waits POLL_S. One that left
+    nothing to wait for waits IDLE_POLL_S (here a minute) unless a wake-up comes."""
+    monkeypatch.setattr(worker.arq_adapter, "POLL_S", 0.01)
+    monkeypatch.setattr(worker.arq_adapter, "IDLE_POLL_S", 60.0)
+
+    async def scenario() -> bool:
+        pool = ArqRedis(connection_pool=fakeredis.FakeAsyncRedis().connection_pool)
+        service = _Service()
+        poller = LadleWorker(service, Settings(), pool)  # type: ignore[arg-type]
+        poller.admission_capacity = lambda: 0  # type: ignore[method-assign]
+        if waiting != "none":
+            await pool.zadd(poller.queue_name, {"job-1": 1})
+        if waiting == "held":
+            await pool.set(poller.keys.routed("job-1"), "w2", px=60_000)
+        polling = asyncio.create_task(poller._poll_iteration())
+        done, _ = await asyncio.wait([polling], timeout=10.0 if waiting != "none" else 0.2)
+        looked_again_soon = bool(done)
+        service.wake.set()  # a wake-up ends the long wait too
+        await asyncio.wait_for(polling, 5.0)
+        return looked_again_soon and poller.look_again_soon
+
+    assert asyncio.run(scenario()) is (waiting != "none")
 
 
 def _jobs(lane: str, count: int, start: int = 0) -> dict[str, SimpleNamespace]:
