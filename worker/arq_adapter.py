@@ -3,7 +3,8 @@
 arq has no public hook for three things we need, so `LadleWorker` overrides them and says why
 at each: `start_jobs` (admission: take only what the engine can start soon), `_poll_iteration`
 (a poll that survives Redis outages and a wait cut short by the API's wake-up), and
-`finish_failed_job` (record why a job ran out of tries). Everything else is arq's public API.
+`finish_job`/`finish_failed_job` (wake the workers for a job handed back; record why a job
+ran out of tries). Everything else is arq's public API.
 """
 
 from __future__ import annotations
@@ -189,6 +190,32 @@ class LadleWorker(Worker):
         except Exception:
             logger.exception("queue poll failed")
             await asyncio.sleep(1.0)
+
+    async def finish_job(
+        self,
+        job_id: str,
+        finish: bool,
+        result_data: bytes | None,
+        result_timeout_s: float | None,
+        keep_result_forever: bool,
+        incr_score: int | None,
+        keep_in_progress: float | None,
+    ) -> None:
+        """arq's end of an attempt. A job left in the queue to run now (handed back by a
+        draining worker, or its attempt cut short) wakes the workers, which would otherwise
+        find it at their next idle poll (IDLE_POLL_S)."""
+        await super().finish_job(
+            job_id,
+            finish,
+            result_data,
+            result_timeout_s,
+            keep_result_forever,
+            incr_score,
+            keep_in_progress,
+        )
+        if not finish and incr_score is None:
+            with contextlib.suppress(RedisError, OSError):  # the idle poll finds it anyway
+                await self.pool.publish(self.keys.wake_channel, job_id)
 
     async def finish_failed_job(self, job_id: str, result_data: bytes | None) -> None:
         """arq gave up on a job without running it (tries exhausted): record why.

@@ -105,6 +105,28 @@ def test_a_poll_that_leaves_a_job_it_may_take_looks_again_soon(
     assert asyncio.run(scenario()) is (waiting != "none")
 
 
+def test_a_job_handed_back_wakes_the_workers() -> None:
+    """Left in the queue to run now, it must not wait for the other workers' idle poll."""
+
+    async def scenario() -> list[bytes]:
+        redis = fakeredis.FakeAsyncRedis()
+        pool = ArqRedis(connection_pool=redis.connection_pool)
+        poller = LadleWorker(_Service(), Settings(), pool)  # type: ignore[arg-type]
+        pubsub = redis.pubsub()
+        await pubsub.subscribe(poller.keys.wake_channel)
+        await pubsub.get_message(timeout=1.0)  # the subscription's confirmation
+        await poller.finish_job("done", True, b"r", None, False, None, None)  # finished
+        await poller.finish_job("later", False, None, None, False, 1000, None)  # deferred
+        await poller.finish_job("back", False, None, None, False, None, None)  # handed back
+        woken = []
+        while message := await pubsub.get_message(timeout=1.0):
+            woken.append(message["data"])
+        await pubsub.aclose()
+        return woken
+
+    assert asyncio.run(scenario()) == [b"back"]
+
+
 def _jobs(lane: str, count: int, start: int = 0) -> dict[str, SimpleNamespace]:
     return {
         f"{lane}{i}": SimpleNamespace(payload=SimpleNamespace(lane=lane))
