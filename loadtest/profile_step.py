@@ -4,7 +4,7 @@
         [--decode-threads N] [--context 128] [--steps 40] [--compile auto|on|off]
         [--linear-kernel auto|NAME]
         [--quantization none|int8|int4] [--native on|off] [--deterministic on|off]
-        [--int4-kernel auto|avx512|amx] [--attention-kernel auto|avx512|amx] [--ops]
+        [--int4-kernel auto|avx512|vnni|amx] [--attention-kernel auto|avx512|amx] [--ops]
         [--cprofile] [--json OUT]
 
 For each batch size B: B requests of `context` random token ids are prefilled, then the
@@ -18,7 +18,8 @@ engine decodes `steps` steps with all B running. Reported per step (medians):
   (`loadtest/bandwidth_bound.py`: weight bytes per token / streamed GB/s).
 
 `--int4-kernel` (`LLM_INT4_KERNEL`) overrides, for this run, which int4 kernel `native.load`
-kept for the machine (`avx512`: `vdpbf16ps`; `amx`: tile sums), to time a step on each;
+kept for the machine (`avx512`: `vdpbf16ps`; `vnni`: int8 x on `vpdpbusd`; `amx`: tile
+sums), to time a step on each;
 `--attention-kernel` (`LLM_ATTENTION_KERNEL`) likewise for bf16 attention (vectors or tiles).
 `--ops` adds a torch.profiler table (top ops by self CPU time, op count per step);
 `--cprofile` a cProfile of the Python outside the forward.
