@@ -145,6 +145,7 @@ class LadleWorker(Worker):
     async def _not_running(self, job_ids: list[bytes]) -> list[bytes]:
         """Drop the ids of jobs already running, here or elsewhere, and of jobs held for
         another worker (routed to its prefix cache, `Keys.routed`), before arq's own check.
+        A held job sets `look_again_soon`: anyone may take it when its hold ends.
 
         Running jobs stay in arq's queue until they end, and arq checks each listed id with
         a WATCH/EXISTS/ZSCORE/UNWATCH round of its own: at 16 running jobs and one poll every
